@@ -1,0 +1,129 @@
+"""The one communication layer: every collective shardopt issues goes through an `Axis`.
+
+An Axis is one mesh axis — "replicate" (data parallel, slow links) or
+"shard" (weight parallel) — backed by a ProcessGroup. On an axis of size 1
+every collective is a no-op that moves nothing. Each call counts the bytes
+this rank sends and receives with the volume of the standard algorithm
+(S = bytes of this rank's input, M = axis size):
+
+| collective      | bytes sent = bytes received |
+|-----------------|-----------------------------|
+| all_reduce      | 2·(M−1)·S / M   (ring)      |
+| all_gather      | (M−1)·S                     |
+| all_to_all      | (M−1)·S / M                 |
+| reduce_scatter  | (M−1)·S / M                 |
+
+(integer division of the product). No other module calls torch.distributed
+collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+AXIS_NAMES = ("replicate", "shard")
+
+
+def collective_bytes(kind: str, nbytes: int, size: int) -> int:
+    """Bytes one rank sends (= receives) for a collective over `size` ranks on an `nbytes` input."""
+    if size <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (size - 1) * nbytes // size
+    if kind == "all_gather":
+        return (size - 1) * nbytes
+    if kind in ("all_to_all", "reduce_scatter"):
+        return (size - 1) * nbytes // size
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _resolve_group(mesh, name: str):
+    """A 1-D DeviceMesh, a ProcessGroup or None → (ProcessGroup or None, size, rank)."""
+    if mesh is None:
+        return None, 1, 0
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{name}_mesh was given but torch.distributed is not initialized; "
+                         f"call torch.distributed.init_process_group first or pass {name}_mesh=None")
+    from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 1:
+            raise ValueError(f"{name}_mesh must be a 1-D DeviceMesh, got a {mesh.ndim}-D mesh with dims "
+                             f"{mesh.mesh_dim_names}; pass one axis, e.g. mesh[{name!r}]")
+        group = mesh.get_group()
+    elif isinstance(mesh, dist.ProcessGroup):
+        group = mesh
+    else:
+        raise ValueError(f"{name}_mesh must be a 1-D DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{name}_mesh is a process group this rank (global rank {dist.get_rank()}) "
+                         f"is not a member of; pass the group that contains this rank")
+    return group, dist.get_world_size(group), rank
+
+
+class Axis:
+    """One mesh axis with byte accounting. Collectives return new tensors or work in place as documented."""
+
+    def __init__(self, name: str, mesh=None):
+        if name not in AXIS_NAMES:
+            raise ValueError(f"axis name must be one of {AXIS_NAMES}, got {name!r}")
+        self.name = name
+        self.group, self.size, self.rank = _resolve_group(mesh, name)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.calls = 0
+
+    def stats(self) -> dict:
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "calls": self.calls}
+
+    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+        moved = collective_bytes(kind, tensor.numel() * tensor.element_size(), self.size)
+        self.bytes_sent += moved
+        self.bytes_received += moved
+        self.calls += 1
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place: tensor ← Σ (op="sum"), mean (op="mean", float only) or max over the axis."""
+        if self.size == 1:
+            return tensor
+        self._count("all_reduce", tensor)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        dist.all_reduce(tensor, op=reduce_op, group=self.group)
+        if op == "mean":
+            tensor.div_(self.size)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(…) on each rank → (M, …), row i from axis rank i."""
+        if self.size == 1:
+            return tensor.unsqueeze(0)
+        self._count("all_gather", tensor)
+        out = tensor.new_empty((self.size, *tensor.shape))
+        dist.all_gather_into_tensor(out, tensor.contiguous(), group=self.group)
+        return out
+
+    def all_to_all(self, tensor: torch.Tensor, input_splits: list[int] | None = None,
+                   output_splits: list[int] | None = None) -> torch.Tensor:
+        """Dim 0 split into M chunks (sizes `input_splits`); chunk i goes to rank i; received chunks concatenated."""
+        if self.size == 1:
+            return tensor
+        self._count("all_to_all", tensor)
+        if output_splits is None:
+            out = torch.empty_like(tensor)
+        else:
+            out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), output_splits, input_splits, group=self.group)
+        return out
+
+    def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(M·k, …) → this rank's (k, …) piece of the sum over the axis."""
+        if self.size == 1:
+            return tensor
+        self._count("reduce_scatter", tensor)
+        out = tensor.new_empty((tensor.size(0) // self.size, *tensor.shape[1:]))
+        dist.reduce_scatter_tensor(out, tensor.contiguous(), group=self.group)
+        return out

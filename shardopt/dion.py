@@ -1,0 +1,95 @@
+"""Dion: low-rank power iteration with error feedback (DESIGN §1).
+
+For a stack of k same-shape matrices, in the orientation B (a×b) where the
+shard axis splits b (see `MatrixLayout.transpose`), with local rows b_i:
+
+    B ← M + G                                  (k, a, b_i)
+    P ← B·Q                                    (k, a, r)   shard: Σ over blocks; replicate: mean
+    P ← orthonormalize(P)
+    R ← Bᵀ·P                                   (k, b_i, r) replicate: mean
+    M ← B − (1−μ)·P·Rᵀ                         error feedback, local to the replica
+    Q ← R / (‖R[:, j]‖₂ + ε)                   column norms summed over the shard axis
+    X ← (1 − lr·wd)·X − lr·√(m/n)·P·Qᵀ         X is m×n (fan_out×fan_in)
+
+When low rank saves nothing on the wire (rank_fraction = 1 or (a+b)·r ≥ a·b)
+the replicate axis averages G instead and P, R need no averaging.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .comm import Axis
+from .lowrank import column_normalize, dion_rank, orthonormalize
+from .placement import MatrixLayout
+
+
+def oriented_shape(layout: MatrixLayout) -> tuple[int, int]:
+    """(a, b) of B: B = Xᵀ when layout.transpose."""
+    m, n = layout.shape
+    return (n, m) if layout.transpose else (m, n)
+
+
+def rank_of(layout: MatrixLayout, group: dict) -> int:
+    m, n = layout.shape
+    return dion_rank(m, n, group["rank_fraction"], group["rank_multiple_of"])
+
+
+def compressed(layout: MatrixLayout, group: dict) -> bool:
+    """True when the replicate axis exchanges P and R ((a+b)·r numbers) rather than G (a·b)."""
+    a, b = oriented_shape(layout)
+    r = rank_of(layout, group)
+    return group["rank_fraction"] < 1 and (a + b) * r < a * b
+
+
+def initial_q(layout: MatrixLayout, group: dict, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Q₀ ~ N(0, 1), b×r, drawn in float32 from torch.Generator().manual_seed(seed) on the CPU
+    (so every replica and every shard rank draws the same matrix), then this rank's rows of b."""
+    a, b = oriented_shape(layout)
+    generator = torch.Generator().manual_seed(seed)
+    Q = torch.randn(b, rank_of(layout, group), generator=generator, dtype=torch.float32)
+    if layout.transpose:
+        Q = Q[layout.row_start:layout.row_start + layout.rows]
+    return Q.to(device=device, dtype=dtype)
+
+
+def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
+    return {"momentum": torch.zeros_like(param), "Q": initial_q(layout, group, seed, param.dtype, param.device)}
+
+
+def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int) -> None:
+    """One Dion step on a bucket of same-layout matrices (local tensors, updated in place)."""
+    dtype = torch.promote_types(params[0].dtype, torch.float32)
+    G = torch.stack(grads).to(dtype)
+    B = torch.stack([s["momentum"] for s in states]).to(dtype)
+    Q = torch.stack([s["Q"] for s in states]).to(dtype)
+    low_rank = compressed(layout, group)
+    if not low_rank:
+        replicate.all_reduce(G, "mean")
+    if layout.transpose:
+        G, B = G.mT, B.mT
+    B += G
+
+    P = shard.all_reduce(B @ Q, "sum")
+    if low_rank:
+        replicate.all_reduce(P, "mean")
+    P = orthonormalize(P, group["qr_method"])
+    R = B.mT @ P
+    if low_rank:
+        replicate.all_reduce(R, "mean")
+    B.sub_(P @ R.mT, alpha=1 - group["mu"])
+    col_sq_norms = shard.all_reduce((R * R).sum(dim=-2), "sum")
+    Q = column_normalize(R, col_sq_norms, Q, group["epsilon"])
+
+    update = P @ Q.mT
+    if layout.transpose:
+        B, update = B.mT, update.mT
+    m, n = layout.shape
+    lr = group["lr"]
+    scale = math.sqrt(m / n)
+    for i, (param, state) in enumerate(zip(params, states)):
+        state["momentum"].copy_(B[i])
+        state["Q"].copy_(Q[i])
+        param.mul_(1 - lr * group["weight_decay"]).add_(update[i].to(param.dtype), alpha=-lr * scale)

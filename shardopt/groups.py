@@ -1,0 +1,80 @@
+"""`param_groups(model)`: split a model into matrix weights and everything else."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .hyperparams import ALGORITHMS, MATRIX_ALGORITHMS
+
+NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm,
+              nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)
+EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
+HEAD_NAMES = ("lm_head", "output", "head", "classifier")
+
+
+def _why_scalar(name: str, param: torch.Tensor, module: nn.Module, embedding_params: set,
+                head_names, scalar_names) -> str | None:
+    """Why a parameter is not a matrix weight, or None if it is one."""
+    leaf = name.rsplit(".", 1)
+    module_name = leaf[0] if len(leaf) == 2 else ""
+    if any(pattern in name for pattern in scalar_names):
+        return "named scalar"
+    if isinstance(module, EMBEDDING_TYPES) or id(param) in embedding_params:
+        return "embedding (or tied to one)"
+    if isinstance(module, NORM_TYPES):
+        return "norm"
+    if param.ndim != 2:
+        return "bias" if name.endswith("bias") else f"{param.ndim}-D"
+    if module_name.rsplit(".", 1)[-1] in head_names:
+        return "output head"
+    return None
+
+
+def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algorithm: str = "adamw", *,
+                 matrix_options: dict | None = None, scalar_options: dict | None = None,
+                 head_names=HEAD_NAMES, scalar_names=(), verbose: bool = False) -> list[dict]:
+    """Two param groups for a model: 2-D weights for `matrix_algorithm`, the rest for `scalar_algorithm`.
+
+    Scalar (element-wise) params: embeddings and weights tied to them, output heads (module
+    named in `head_names`), norms, biases, every tensor that is not 2-D, and any whose name
+    contains a string in `scalar_names`. Each group carries "param_names" (so errors name
+    parameters) and the options given for it (e.g. scalar_options={"lr": 3e-4}).
+    With verbose=True, prints one line per group. Groups with no params are left out.
+    """
+    if matrix_algorithm not in MATRIX_ALGORITHMS:
+        raise ValueError(f"Invalid matrix_algorithm: {matrix_algorithm!r}; allowed: {', '.join(map(repr, MATRIX_ALGORITHMS))}")
+    scalar_algorithms = tuple(a for a in ALGORITHMS if a not in MATRIX_ALGORITHMS)
+    if scalar_algorithm not in scalar_algorithms:
+        raise ValueError(f"Invalid scalar_algorithm: {scalar_algorithm!r}; allowed: {', '.join(map(repr, scalar_algorithms))}")
+    modules = dict(model.named_modules())
+    embedding_params = {id(p) for m in model.modules() if isinstance(m, EMBEDDING_TYPES) for p in m.parameters(recurse=False)}
+    matrix = {"params": [], "param_names": [], "algorithm": matrix_algorithm, **(matrix_options or {})}
+    scalar = {"params": [], "param_names": [], "algorithm": scalar_algorithm, **(scalar_options or {})}
+    reasons: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        module = modules[name.rsplit(".", 1)[0]] if "." in name else model
+        reason = _why_scalar(name, param, module, embedding_params, head_names, scalar_names)
+        target = matrix if reason is None else scalar
+        target["params"].append(param)
+        target["param_names"].append(name)
+        if reason is not None:
+            reasons[reason] = reasons.get(reason, 0) + 1
+    groups = [g for g in (matrix, scalar) if g["params"]]
+    if verbose:
+        print(describe_groups(groups, reasons))
+    return groups
+
+
+def describe_groups(groups: list[dict], reasons: dict | None = None) -> str:
+    """One line per group: algorithm, tensor count, element count, and why params were made scalar."""
+    lines = []
+    for group in groups:
+        count = sum(p.numel() for p in group["params"])
+        line = f"shardopt: {group['algorithm']:>8}: {len(group['params'])} tensors, {count:,} elements"
+        if group["algorithm"] not in MATRIX_ALGORITHMS and reasons:
+            line += " (" + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())) + ")"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""Param-group hyperparameters: the defaults, and validation with errors that name the parameter."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .lowrank import QR_METHODS
+from .vote import VOTES
+
+ALGORITHMS = ("dion", "signmuon", "muon", "adamw", "lion")
+MATRIX_ALGORITHMS = ("dion", "signmuon", "muon")
+LR_SCALES = ("none", "unit_gain")
+ORTHOGONALIZE = ("shard", "full")
+NS_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+# Every group carries every key (as torch.optim does); each algorithm reads its own.
+DEFAULTS = {
+    "lr": 0.01,
+    "weight_decay": 0.0,
+    "betas": (0.9, 0.95),
+    "epsilon": 1e-8,
+    # Dion
+    "mu": 0.95,
+    "rank_fraction": 1.0,
+    "rank_multiple_of": 1,
+    "qr_method": "qr",
+    # Sign-Muon and Muon
+    "momentum": 0.9,
+    "nesterov": False,
+    "ns_steps": 5,
+    "ns_dtype": None,
+    "post_polar": False,
+    "lr_scale": "none",
+    "vote": "auto",
+    "orthogonalize": "shard",
+}
+
+# Which keys each algorithm reads (validated only where read).
+KEYS = {
+    "dion": ("lr", "weight_decay", "epsilon", "mu", "rank_fraction", "rank_multiple_of", "qr_method"),
+    "signmuon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "post_polar",
+                 "lr_scale", "vote", "orthogonalize"),
+    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype"),
+    "adamw": ("lr", "weight_decay", "betas", "epsilon"),
+    "lion": ("lr", "weight_decay", "betas"),
+}
+
+
+def _where(index: int) -> str:
+    return f"param group {index}"
+
+
+def _number(group, key, index, low, high, low_open=False, high_open=True):
+    value = group[key]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"Invalid {key}: {value!r} ({_where(index)}); {key} must be a real number")
+    below = value <= low if low_open else value < low
+    above = value >= high if high_open else value > high
+    if below or above:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"Invalid {key}: {value} ({_where(index)}); {key} must be in {interval}")
+
+
+def _choice(group, key, index, allowed):
+    if group[key] not in allowed:
+        raise ValueError(f"Invalid {key}: {group[key]!r} ({_where(index)}); allowed: {', '.join(map(repr, allowed))}")
+
+
+def _integer(group, key, index, low):
+    value = group[key]
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"Invalid {key}: {value!r} ({_where(index)}); {key} must be an integer ≥ {low}")
+
+
+def _flag(group, key, index):
+    if not isinstance(group[key], bool):
+        raise ValueError(f"Invalid {key}: {group[key]!r} ({_where(index)}); {key} must be True or False")
+
+
+def validate_group(group: dict, index: int) -> None:
+    """Raise ValueError naming the key, the group, the value given and what is allowed."""
+    algorithm = group["algorithm"]
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"Invalid algorithm: {algorithm!r} ({_where(index)}); allowed: "
+                         f"{', '.join(map(repr, ALGORITHMS))}")
+    inf = float("inf")
+    checks = {
+        "lr": lambda: _number(group, "lr", index, 0.0, inf),
+        "weight_decay": lambda: _number(group, "weight_decay", index, 0.0, inf),
+        "epsilon": lambda: _number(group, "epsilon", index, 0.0, inf, low_open=True),
+        "mu": lambda: _number(group, "mu", index, 0.0, 1.0),
+        "momentum": lambda: _number(group, "momentum", index, 0.0, 1.0),
+        "rank_fraction": lambda: _number(group, "rank_fraction", index, 0.0, 1.0, low_open=True, high_open=False),
+        "rank_multiple_of": lambda: _integer(group, "rank_multiple_of", index, 1),
+        "ns_steps": lambda: _integer(group, "ns_steps", index, 1),
+        "qr_method": lambda: _choice(group, "qr_method", index, QR_METHODS),
+        "lr_scale": lambda: _choice(group, "lr_scale", index, LR_SCALES),
+        "vote": lambda: _choice(group, "vote", index, VOTES),
+        "orthogonalize": lambda: _choice(group, "orthogonalize", index, ORTHOGONALIZE),
+        "ns_dtype": lambda: _choice(group, "ns_dtype", index, (None,) + NS_DTYPES),
+        "nesterov": lambda: _flag(group, "nesterov", index),
+        "post_polar": lambda: _flag(group, "post_polar", index),
+        "betas": lambda: _betas(group, index),
+    }
+    for key in KEYS[algorithm]:
+        checks[key]()
+
+
+def _betas(group, index):
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"Invalid betas: {betas!r} ({_where(index)}); betas must be a pair (beta1, beta2)")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid betas[{i}]: {beta!r} ({_where(index)}); each beta must be in [0.0, 1.0)")

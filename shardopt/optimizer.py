@@ -1,0 +1,177 @@
+"""The optimizer classes: validation, param groups, state and the step loop (no math, no collectives).
+
+`ShardOptimizer` holds the two mesh axes and routes each param group to its
+algorithm: matrix algorithms ("dion", "signmuon", "muon") get buckets of
+same-layout matrices (one stacked call, one collective per bucket), the
+element-wise ones ("adamw", "lion") get the whole group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dion, scalar, signmuon
+from .comm import Axis
+from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, validate_group
+from .placement import local, matrix_layout
+
+MATRIX_STEPS = {"dion": dion.step, "signmuon": signmuon.step, "muon": signmuon.muon_step}
+MATRIX_INIT = {"dion": dion.init_state, "signmuon": signmuon.init_state, "muon": signmuon.init_state}
+
+
+class ShardOptimizer(torch.optim.Optimizer):
+    """Base of Dion and SignMuon. Param groups choose their `algorithm`; groups without one get
+    the class's `matrix_algorithm`.
+
+    replicate_mesh: 1-D DeviceMesh or ProcessGroup of the data-parallel replicas whose
+        gradients this optimizer exchanges itself (nobody else may average them), or None.
+    shard_mesh: 1-D DeviceMesh of the weight-parallel axis, or None.
+    seed: seeds Dion's Q₀ and Sign-Muon's tie-breaking coins; must be equal on all ranks.
+    """
+
+    matrix_algorithm = "dion"
+
+    def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, seed: int = 0):
+        self.replicate = Axis("replicate", replicate_mesh)
+        self.shard = Axis("shard", shard_mesh)
+        self.seed = int(seed)
+        self._param_index: dict[torch.Tensor, int] = {}
+        super().__init__(params, {**DEFAULTS, **defaults})
+
+    # ---- param groups -------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        param_group.setdefault("algorithm", self.matrix_algorithm)
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        group = self.param_groups[index]
+        validate_group(group, index)
+        names = group.get("param_names") or [None] * len(group["params"])
+        for position, (param, name) in enumerate(zip(group["params"], names)):
+            label = f"{name!r}" if name else f"#{position} of param group {index}"
+            if not param.dtype.is_floating_point:
+                raise ValueError(f"param {label} has dtype {param.dtype}; shardopt optimizes floating-point "
+                                 f"tensors only (float32, float64, bfloat16, float16)")
+            if group["algorithm"] in MATRIX_ALGORITHMS and param.ndim != 2:
+                raise ValueError(f"param {label} with shape {tuple(param.shape)} is in a {group['algorithm']!r} "
+                                 f"group but is not 2-D; put it in an 'adamw' or 'lion' group "
+                                 f"(shardopt.param_groups(model) does this)")
+            self._param_index[param] = len(self._param_index)
+
+    # ---- step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if group["algorithm"] in MATRIX_ALGORITHMS:
+                for layout, bucket in self._buckets(params).items():
+                    self._matrix_step(bucket, group, layout)
+            else:
+                self._scalar_step(params, group)
+        return loss
+
+    def _buckets(self, params) -> dict:
+        """Same layout, dtype and device → one bucket, in parameter order."""
+        buckets: dict = {}
+        for param in params:
+            layout = matrix_layout(param)
+            key = (layout, param.dtype, param.device)
+            buckets.setdefault(key, []).append(param)
+        return {key[0]: bucket for key, bucket in buckets.items()}
+
+    def _states(self, params, init) -> list[dict]:
+        states = []
+        for param in params:
+            state = self.state[param]
+            if not state:
+                state.update(init(param))
+                state["step"] = torch.tensor(0.0)
+            state["step"] += 1
+            states.append(state)
+        return states
+
+    def _matrix_step(self, params, group: dict, layout) -> None:
+        algorithm = group["algorithm"]
+        init = MATRIX_INIT[algorithm]
+        states = self._states(params, lambda p: init(local(p), layout, group, self._seed(p)))
+        bucket_seed = (self._seed(params[0]) * 1_000_003 + int(states[0]["step"])) % 2**63
+        MATRIX_STEPS[algorithm]([local(p) for p in params], [local(p.grad) for p in params], states, group,
+                                layout, self.replicate, self.shard, bucket_seed)
+
+    def _scalar_step(self, params, group: dict) -> None:
+        states = self._states(params, lambda p: scalar.init_state(local(p), group["algorithm"]))
+        scalar.step([local(p) for p in params], [local(p.grad) for p in params], states, group, self.replicate)
+
+    def _seed(self, param) -> int:
+        return (self.seed * 1_000_003 + self._param_index[param]) % 2**63
+
+    # ---- distributed helpers ------------------------------------------------------------------
+    def comm_stats(self) -> dict:
+        """Bytes this rank sent/received and calls issued per axis since construction (or the last reset)."""
+        return {"replicate": self.replicate.stats(), "shard": self.shard.stats()}
+
+    def reset_comm_stats(self) -> None:
+        self.replicate.reset_stats()
+        self.shard.reset_stats()
+
+    @torch.no_grad()
+    def synchronize_for_checkpoint(self) -> None:
+        """Average the decoupled momenta over the replicate axis (one all-reduce per dtype), so a
+        checkpoint holds one momentum that every replica agrees on."""
+        momenta = [local(state["momentum"]) for state in self.state.values() if "momentum" in state]
+        if momenta:
+            for momentum, mean in zip(momenta, scalar.mean_gradients(momenta, self.replicate)):
+                momentum.copy_(mean)
+
+    @torch.no_grad()
+    def replicas_consistent(self) -> bool:
+        """True when every parameter is bitwise equal on all replicas (one all-gather of one hash
+        per parameter; reading the answer is a device sync)."""
+        params = [local(p) for group in self.param_groups for p in group["params"]]
+        if self.replicate.size == 1 or not params:
+            return True
+        hashes = torch.stack([bit_hash(p) for p in params])
+        gathered = self.replicate.all_gather(hashes)
+        return bool((gathered == gathered[0]).all())
+
+
+def bit_hash(tensor: torch.Tensor) -> torch.Tensor:
+    """A position-weighted int64 hash of the raw bits of `tensor` (equal bits ⇒ equal hash)."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    raw = tensor.detach().contiguous().view(bits).reshape(-1).to(torch.int64)
+    weights = torch.arange(raw.numel(), device=raw.device, dtype=torch.int64) * 2654435761 + 1
+    return (raw * weights).sum()
+
+
+class Dion(ShardOptimizer):
+    """Dion (DESIGN §1). Non-matrix params go in groups with algorithm "adamw" or "lion"
+    (see `shardopt.param_groups`), which use lr, betas, epsilon and weight_decay."""
+
+    matrix_algorithm = "dion"
+
+    def __init__(self, params, lr: float = 0.01, mu: float = 0.95, rank_fraction: float = 1.0,
+                 rank_multiple_of: int = 1, weight_decay: float = 0.01, epsilon: float = 1e-8,
+                 qr_method: str = "qr", betas=(0.9, 0.95), *, replicate_mesh=None, shard_mesh=None, seed: int = 0):
+        defaults = dict(lr=lr, mu=mu, rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
+                        weight_decay=weight_decay, epsilon=epsilon, qr_method=qr_method, betas=betas)
+        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, seed=seed)
+
+
+class SignMuon(ShardOptimizer):
+    """Sign-Muon (DESIGN §2). vote: "allreduce_int8", "allgather_1bit", "alltoall_1bit" or "auto"."""
+
+    matrix_algorithm = "signmuon"
+
+    def __init__(self, params, lr: float, momentum: float = 0.9, nesterov: bool = False, ns_steps: int = 5,
+                 post_polar: bool = False, lr_scale: str = "none", weight_decay: float = 0.0,
+                 betas=(0.9, 0.95), epsilon: float = 1e-8, ns_dtype: str | None = None, vote: str = "auto",
+                 orthogonalize: str = "shard", *, replicate_mesh=None, shard_mesh=None, seed: int = 0):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, post_polar=post_polar,
+                        lr_scale=lr_scale, weight_decay=weight_decay, betas=betas, epsilon=epsilon,
+                        ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize)
+        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, seed=seed)

@@ -1,0 +1,44 @@
+"""Polar factor by Newton–Schulz iteration (Muon's quintic).
+
+For G = U·Σ·Vᵀ the polar factor is U·Vᵀ. Newton–Schulz approximates it with
+only matmuls:
+
+    X₀ = G / (‖G‖_F + 1e-7)
+    Xₖ₊₁ = a·Xₖ + (b·Aₖ + c·Aₖ²)·Xₖ,   Aₖ = Xₖ·Xₖᵀ,   (a, b, c) = (3.4445, −4.7750, 2.0315)
+
+iterated on the wide orientation (rows ≤ columns) so Aₖ is the small Gram
+matrix. The quintic does not converge to exactly 1: after 5 steps the
+singular values of a well-conditioned input lie roughly in [0.7, 1.2].
+"""
+
+import torch
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def default_ns_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA (tensor cores), fp32 elsewhere (bf16 CPU matmul is ~30× slower)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def polar(G: torch.Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Approximate polar factor U·Vᵀ of each matrix in G.
+
+    G: (..., m, n), any float dtype. Returns (..., m, n) in `dtype`
+    (default: `default_ns_dtype(G.device)`). Works on each trailing matrix
+    independently, so a stack of same-shape matrices is one batched call.
+    An all-zero matrix stays zero.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"polar needs a matrix (..., m, n), got shape {tuple(G.shape)}")
+    dtype = dtype or default_ns_dtype(G.device)
+    a, b, c = NS_COEFFICIENTS
+    X = G.to(dtype)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT
+    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X.mT if tall else X

@@ -1,0 +1,80 @@
+"""Sign-Muon (DESIGN §2) and the Muon baseline: momentum → polar direction → exchange → update.
+
+For a stack of k same-shape matrices X (m×n, local rows m_i) with gradient G:
+
+    M ← β·M + (1−β)·G                      EMA momentum (one buffer)
+    U ← polar((1−β)·G + β·M if nesterov else M)   Newton–Schulz, `ns_steps` steps
+    Sign-Muon:  V ← vote(sign(U))          majority over the replicate axis, sign(0) = +1
+                V ← polar(V) if post_polar
+                X ← (1 − lr·wd)·X − lr·s·V,  s = 1 ("none") or 1/√n ("unit_gain")
+    Muon:       G is first averaged over the replicate axis (full-precision all-reduce);
+                X ← (1 − lr·wd)·X − lr·√max(1, m/n)·U
+
+With orthogonalize="shard", polar runs on the local row block (no shard-axis
+traffic).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .comm import Axis
+from .placement import MatrixLayout
+from .polar import polar
+from .vote import resolve_vote, vote
+
+
+def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
+    return {"momentum": torch.zeros_like(param)}
+
+
+def _ns_dtype(group: dict) -> torch.dtype | None:
+    """The group's Newton–Schulz dtype (None: bf16 on CUDA, fp32 elsewhere)."""
+    return getattr(torch, group["ns_dtype"]) if group["ns_dtype"] else None
+
+
+def _direction(grads, states, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, M): the polar direction and the new momentum, stacked (k, m_i, n)."""
+    dtype = torch.promote_types(grads[0].dtype, torch.float32)
+    G = torch.stack(grads).to(dtype)
+    M = torch.stack([s["momentum"] for s in states]).to(dtype)
+    beta = group["momentum"]
+    M.lerp_(G, 1 - beta)
+    U_in = G.lerp(M, beta) if group["nesterov"] else M
+    return polar(U_in, group["ns_steps"], _ns_dtype(group)), M
+
+
+def _apply(params, states, M, update, group: dict, scale: float) -> None:
+    lr = group["lr"]
+    for i, (param, state) in enumerate(zip(params, states)):
+        state["momentum"].copy_(M[i])
+        param.mul_(1 - lr * group["weight_decay"]).add_(update[i].to(param.dtype), alpha=-lr * scale)
+
+
+def voted_direction(params, grads, states, group: dict, replicate: Axis, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(V, M): the voted ±1/0 direction (k, m_i, n) as int8, and the new momentum."""
+    U, M = _direction(grads, states, group)
+    positive = (U >= 0).reshape(-1)
+    fmt = resolve_vote(group["vote"], positive.numel(), replicate.size)
+    return vote(positive, replicate, fmt, seed).view(U.shape), M
+
+
+def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int) -> None:
+    """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place)."""
+    V, M = voted_direction(params, grads, states, group, replicate, seed)
+    update = V.to(M.dtype)
+    if group["post_polar"]:
+        update = polar(update, group["ns_steps"], _ns_dtype(group))
+    m, n = layout.shape
+    scale = 1.0 if group["lr_scale"] == "none" else 1 / math.sqrt(n)
+    _apply(params, states, M, update, group, scale)
+
+
+def muon_step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int) -> None:
+    """One Muon step (baseline): full-precision gradient mean, then polar of the momentum."""
+    G = replicate.all_reduce(torch.stack(grads).to(torch.promote_types(grads[0].dtype, torch.float32)), "mean")
+    U, M = _direction(list(G), states, group)
+    m, n = layout.shape
+    _apply(params, states, M, U, group, math.sqrt(max(1.0, m / n)))
