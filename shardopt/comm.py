@@ -19,10 +19,13 @@ collectives.
 
 from __future__ import annotations
 
+import datetime
+import math
 import torch
 import torch.distributed as dist
 
 AXIS_NAMES = ("replicate", "shard")
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
 
 
 def collective_bytes(kind: str, nbytes: int, size: int) -> int:
@@ -102,20 +105,29 @@ class Axis:
         if self.size == 1:
             return tensor.unsqueeze(0)
         self._count("all_gather", tensor)
-        out = tensor.new_empty((self.size, *tensor.shape))
-        dist.all_gather_into_tensor(out, tensor.contiguous(), group=self.group)
-        return out
+        out = tensor.new_empty((self.size * tensor.numel(),))
+        dist.all_gather_into_tensor(out, tensor.contiguous().reshape(-1), group=self.group)
+        return out.view(self.size, *tensor.shape)
 
     def all_to_all(self, tensor: torch.Tensor, input_splits: list[int] | None = None,
                    output_splits: list[int] | None = None) -> torch.Tensor:
-        """Dim 0 split into M chunks (sizes `input_splits`); chunk i goes to rank i; received chunks concatenated."""
+        """Dim 0 split into M chunks (equal, or sizes `input_splits`); chunk i goes to rank i; the
+        chunks received (sizes `output_splits`) are concatenated in rank order. Counts the bytes that
+        leave and arrive at this rank (its own chunk stays): (M−1)/M of the input when even."""
         if self.size == 1:
             return tensor
-        self._count("all_to_all", tensor)
-        if output_splits is None:
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+        if input_splits is None:
+            sent = collective_bytes("all_to_all", tensor.numel() * tensor.element_size(), self.size)
+            received = sent
             out = torch.empty_like(tensor)
         else:
+            sent = (sum(input_splits) - input_splits[self.rank]) * row_bytes
+            received = (sum(output_splits) - output_splits[self.rank]) * row_bytes
             out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+        self.bytes_sent += sent
+        self.bytes_received += received
+        self.calls += 1
         dist.all_to_all_single(out, tensor.contiguous(), output_splits, input_splits, group=self.group)
         return out
 
@@ -125,5 +137,25 @@ class Axis:
             return tensor
         self._count("reduce_scatter", tensor)
         out = tensor.new_empty((tensor.size(0) // self.size, *tensor.shape[1:]))
-        dist.reduce_scatter_tensor(out, tensor.contiguous(), group=self.group)
+        _reduce_scatter(out.view(-1), tensor.contiguous().view(-1), group=self.group)
         return out
+
+    def agree(self, values: list[int], timeout_s: float) -> list[list[int]]:
+        """Every rank's list of ints (same length everywhere), waiting at most `timeout_s`, so a
+        construction-time check raises instead of hanging on a rank that never arrives.
+        Counted as an all-gather."""
+        if self.size == 1:
+            return [values]
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(self.group)) \
+            else torch.device("cpu")
+        local_values = torch.tensor(values, dtype=torch.int64, device=device)
+        self._count("all_gather", local_values)
+        out = local_values.new_empty((self.size * len(values),))
+        try:
+            work = dist.all_gather_into_tensor(out, local_values, group=self.group, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as error:
+            raise RuntimeError(f"shardopt: ranks of the {self.name} axis failed or timed out ({timeout_s:g} s) in the "
+                               f"optimizer's construction-time agreement check; every rank must construct the "
+                               f"optimizer with the same parameters ({error})") from error
+        return out.view(self.size, len(values)).tolist()

@@ -23,7 +23,8 @@ import torch
 
 from .comm import Axis
 from .lowrank import column_normalize, dion_rank, orthonormalize
-from .placement import MatrixLayout
+from .placement import MatrixLayout, like_param, local
+from .signs import padded_length
 
 
 def oriented_shape(layout: MatrixLayout) -> tuple[int, int]:
@@ -56,7 +57,28 @@ def initial_q(layout: MatrixLayout, group: dict, seed: int, dtype: torch.dtype, 
 
 
 def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
-    return {"momentum": torch.zeros_like(param), "Q": initial_q(layout, group, seed, param.dtype, param.device)}
+    """momentum: zeros like X (a DTensor placed like X when X is one); Q: b×r, a DTensor with X's
+    row placement when the shard axis splits b."""
+    Q = initial_q(layout, group, seed, param.dtype, local(param).device)
+    return {"momentum": torch.zeros_like(param), "Q": like_param(param, Q, layout.shape[0]) if layout.sharded else Q}
+
+
+def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool) -> torch.Tensor:
+    """P ← mean_replicas(Σ_shards P) for P (k, a, r).
+
+    With both axes (HSDP) the replicate axis carries only this rank's a/F rows:
+    reduce-scatter the rows over the shard axis, average the piece over the
+    replicate axis, all-gather it back (rows padded to a multiple of F).
+    """
+    if not average_replicas:
+        return shard.all_reduce(P, "sum")
+    if shard.size == 1:
+        return replicate.all_reduce(P, "mean")
+    k, a, r = P.shape
+    rows = padded_length(a, shard.size)
+    by_rows = torch.nn.functional.pad(P.permute(1, 0, 2), (0, 0, 0, 0, 0, rows - a))   # (rows, k, r)
+    piece = replicate.all_reduce(shard.reduce_scatter(by_rows), "mean")                  # (rows/F, k, r)
+    return shard.all_gather(piece).reshape(rows, k, r)[:a].permute(1, 0, 2)
 
 
 def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int) -> None:
@@ -72,9 +94,7 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
         G, B = G.mT, B.mT
     B += G
 
-    P = shard.all_reduce(B @ Q, "sum")
-    if low_rank:
-        replicate.all_reduce(P, "mean")
+    P = sum_shards_mean_replicas(B @ Q, shard, replicate, low_rank)
     P = orthonormalize(P, group["qr_method"])
     R = B.mT @ P
     if low_rank:

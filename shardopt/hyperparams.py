@@ -42,7 +42,7 @@ KEYS = {
     "dion": ("lr", "weight_decay", "epsilon", "mu", "rank_fraction", "rank_multiple_of", "qr_method"),
     "signmuon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "post_polar",
                  "lr_scale", "vote", "orthogonalize"),
-    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype"),
+    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "orthogonalize"),
     "adamw": ("lr", "weight_decay", "betas", "epsilon"),
     "lion": ("lr", "weight_decay", "betas"),
 }

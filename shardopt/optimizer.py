@@ -8,12 +8,14 @@ element-wise ones ("adamw", "lion") get the whole group.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from . import dion, scalar, signmuon
 from .comm import Axis
 from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, validate_group
-from .placement import local, matrix_layout
+from .placement import derive_meshes, local, matrix_layout
 
 MATRIX_STEPS = {"dion": dion.step, "signmuon": signmuon.step, "muon": signmuon.muon_step}
 MATRIX_INIT = {"dion": dion.init_state, "signmuon": signmuon.init_state, "muon": signmuon.init_state}
@@ -27,16 +29,24 @@ class ShardOptimizer(torch.optim.Optimizer):
         gradients this optimizer exchanges itself (nobody else may average them), or None.
     shard_mesh: 1-D DeviceMesh of the weight-parallel axis, or None.
     seed: seeds Dion's Q₀ and Sign-Muon's tie-breaking coins; must be equal on all ranks.
+    agreement_timeout_s: bound on the construction-time check that all ranks hold the same
+        parameters and settings (a mismatch raises on every rank instead of hanging later).
     """
 
     matrix_algorithm = "dion"
 
-    def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, seed: int = 0):
-        self.replicate = Axis("replicate", replicate_mesh)
-        self.shard = Axis("shard", shard_mesh)
+    def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
+                 agreement_timeout_s: float = 60.0):
         self.seed = int(seed)
         self._param_index: dict[torch.Tensor, int] = {}
+        self._param_label: dict[torch.Tensor, str] = {}
         super().__init__(params, {**DEFAULTS, **defaults})
+        labeled = list(self._param_label.items())
+        replicate_mesh, shard_mesh = derive_meshes(labeled, replicate_mesh, shard_mesh)
+        self.replicate = Axis("replicate", replicate_mesh)
+        self.shard = Axis("shard", shard_mesh)
+        self._check_ranks_agree(agreement_timeout_s)
+        self.reset_comm_stats()
 
     # ---- param groups -------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -56,6 +66,25 @@ class ShardOptimizer(torch.optim.Optimizer):
                                  f"group but is not 2-D; put it in an 'adamw' or 'lion' group "
                                  f"(shardopt.param_groups(model) does this)")
             self._param_index[param] = len(self._param_index)
+            self._param_label[param] = label
+
+    def _check_ranks_agree(self, timeout_s: float) -> None:
+        """Every rank of each axis must hold the same parameters (shapes, dtypes, placements) and
+        settings; otherwise the first collective of a step would hang. One small all-gather per axis."""
+        description = [f"{label}|{tuple(p.shape)}|{p.dtype}|{getattr(p, 'placements', None)}"
+                       for p, label in self._param_label.items()]
+        settings = [repr(sorted((k, v) for k, v in g.items() if k not in ("params", "lr"))) for g in self.param_groups]
+        fields = {"number of params": len(description), "param shapes/dtypes/placements": zlib.crc32("\n".join(description).encode()),
+                  "group settings": zlib.crc32("\n".join(settings).encode()), "seed": self.seed}
+        for axis in (self.replicate, self.shard):
+            per_rank = axis.agree(list(fields.values()), timeout_s)
+            for position, field in enumerate(fields):
+                values = [row[position] for row in per_rank]
+                if len(set(values)) > 1:
+                    shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if field in ("number of params", "seed") \
+                        else ", ".join(f"rank {r}: {'same as rank 0' if v == values[0] else 'different'}" for r, v in enumerate(values))
+                    raise ValueError(f"ranks of the {axis.name} axis disagree on the {field} ({shown}); every rank "
+                                     f"must build the optimizer from the same model and arguments")
 
     # ---- step ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -98,14 +127,15 @@ class ShardOptimizer(torch.optim.Optimizer):
     def _matrix_step(self, params, group: dict, layout) -> None:
         algorithm = group["algorithm"]
         init = MATRIX_INIT[algorithm]
-        states = self._states(params, lambda p: init(local(p), layout, group, self._seed(p)))
+        states = self._states(params, lambda p: init(p, layout, group, self._seed(p)))
         bucket_seed = (self._seed(params[0]) * 1_000_003 + int(states[0]["step"])) % 2**63
-        MATRIX_STEPS[algorithm]([local(p) for p in params], [local(p.grad) for p in params], states, group,
-                                layout, self.replicate, self.shard, bucket_seed)
+        MATRIX_STEPS[algorithm]([local(p) for p in params], [local(p.grad) for p in params], _local_states(states),
+                                group, layout, self.replicate, self.shard, bucket_seed)
 
     def _scalar_step(self, params, group: dict) -> None:
-        states = self._states(params, lambda p: scalar.init_state(local(p), group["algorithm"]))
-        scalar.step([local(p) for p in params], [local(p.grad) for p in params], states, group, self.replicate)
+        states = self._states(params, lambda p: scalar.init_state(p, group["algorithm"]))
+        scalar.step([local(p) for p in params], [local(p.grad) for p in params], _local_states(states), group,
+                    self.replicate)
 
     def _seed(self, param) -> int:
         return (self.seed * 1_000_003 + self._param_index[param]) % 2**63
@@ -140,6 +170,11 @@ class ShardOptimizer(torch.optim.Optimizer):
         return bool((gathered == gathered[0]).all())
 
 
+def _local_states(states: list[dict]) -> list[dict]:
+    """The same state with every DTensor replaced by its local tensor (a view: writes go through)."""
+    return [{key: local(value) for key, value in state.items()} for state in states]
+
+
 def bit_hash(tensor: torch.Tensor) -> torch.Tensor:
     """A position-weighted int64 hash of the raw bits of `tensor` (equal bits ⇒ equal hash)."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
@@ -156,10 +191,12 @@ class Dion(ShardOptimizer):
 
     def __init__(self, params, lr: float = 0.01, mu: float = 0.95, rank_fraction: float = 1.0,
                  rank_multiple_of: int = 1, weight_decay: float = 0.01, epsilon: float = 1e-8,
-                 qr_method: str = "qr", betas=(0.9, 0.95), *, replicate_mesh=None, shard_mesh=None, seed: int = 0):
+                 qr_method: str = "qr", betas=(0.9, 0.95), *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
+                 agreement_timeout_s: float = 60.0):
         defaults = dict(lr=lr, mu=mu, rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
                         weight_decay=weight_decay, epsilon=epsilon, qr_method=qr_method, betas=betas)
-        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, seed=seed)
+        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, seed=seed,
+                         agreement_timeout_s=agreement_timeout_s)
 
 
 class SignMuon(ShardOptimizer):
@@ -170,8 +207,10 @@ class SignMuon(ShardOptimizer):
     def __init__(self, params, lr: float, momentum: float = 0.9, nesterov: bool = False, ns_steps: int = 5,
                  post_polar: bool = False, lr_scale: str = "none", weight_decay: float = 0.0,
                  betas=(0.9, 0.95), epsilon: float = 1e-8, ns_dtype: str | None = None, vote: str = "auto",
-                 orthogonalize: str = "shard", *, replicate_mesh=None, shard_mesh=None, seed: int = 0):
+                 orthogonalize: str = "shard", *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
+                 agreement_timeout_s: float = 60.0):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, post_polar=post_polar,
                         lr_scale=lr_scale, weight_decay=weight_decay, betas=betas, epsilon=epsilon,
                         ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize)
-        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, seed=seed)
+        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, seed=seed,
+                         agreement_timeout_s=agreement_timeout_s)

@@ -10,8 +10,9 @@ For a stack of k same-shape matrices X (m×n, local rows m_i) with gradient G:
     Muon:       G is first averaged over the replicate axis (full-precision all-reduce);
                 X ← (1 − lr·wd)·X − lr·√max(1, m/n)·U
 
-With orthogonalize="shard", polar runs on the local row block (no shard-axis
-traffic).
+With orthogonalize="shard" (default), polar runs on the local row block (no
+shard-axis traffic); with "full" each shard rank orthogonalizes whole matrices
+(`full_polar`), the exact Muon direction.
 """
 
 from __future__ import annotations
@@ -35,14 +36,42 @@ def _ns_dtype(group: dict) -> torch.dtype | None:
     return getattr(torch, group["ns_dtype"]) if group["ns_dtype"] else None
 
 
-def _direction(grads, states, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(U, M): the polar direction and the new momentum, stacked (k, m_i, n)."""
+def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int, dtype) -> torch.Tensor:
+    """polar of whole matrices whose rows are split over the shard axis, returned as this rank's rows.
+
+    U_in: (k, m_i, n). Matrix j is owned by shard rank j mod F: an all-to-all sends every
+    row block to its owner, the owner orthogonalizes whole m×n matrices, and a second
+    all-to-all returns the row blocks. Shard-axis bytes: 2·(1 − own share)·k·m·n elements.
+    """
+    if not layout.sharded:
+        return polar(U_in, steps, dtype)
+    k, rows, n = U_in.shape
+    owners = [list(range(owner, k, shard.size)) for owner in range(shard.size)]
+    mine = owners[shard.rank]
+    to_owner = [len(matrices) * rows for matrices in owners]
+    from_ranks = [len(mine) * rows_s for rows_s in layout.shard_rows]
+    received = shard.all_to_all(torch.cat([U_in[m].reshape(-1, n) for m in owners]), to_owner, from_ranks)
+    blocks = [piece.view(len(mine), rows_s, n) for piece, rows_s in zip(received.split(from_ranks), layout.shard_rows)]
+    U = polar(torch.cat(blocks, dim=1), steps, dtype)                               # (len(mine), m, n)
+    back = torch.cat([block.reshape(-1, n) for block in U.split(layout.shard_rows, dim=1)])
+    returned = shard.all_to_all(back, from_ranks, to_owner)
+    out = U.new_empty((k, rows, n))
+    for matrices, piece in zip(owners, returned.split(to_owner)):
+        out[matrices] = piece.view(len(matrices), rows, n)
+    return out
+
+
+def _direction(grads, states, group: dict, layout: MatrixLayout, shard: Axis) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, M): the polar direction and the new momentum, stacked (k, m_i, n). With
+    orthogonalize="shard" polar runs on the local row block; with "full" on whole matrices."""
     dtype = torch.promote_types(grads[0].dtype, torch.float32)
     G = torch.stack(grads).to(dtype)
     M = torch.stack([s["momentum"] for s in states]).to(dtype)
     beta = group["momentum"]
     M.lerp_(G, 1 - beta)
     U_in = G.lerp(M, beta) if group["nesterov"] else M
+    if group["orthogonalize"] == "full":
+        return full_polar(U_in, layout, shard, group["ns_steps"], _ns_dtype(group)), M
     return polar(U_in, group["ns_steps"], _ns_dtype(group)), M
 
 
@@ -53,9 +82,10 @@ def _apply(params, states, M, update, group: dict, scale: float) -> None:
         param.mul_(1 - lr * group["weight_decay"]).add_(update[i].to(param.dtype), alpha=-lr * scale)
 
 
-def voted_direction(params, grads, states, group: dict, replicate: Axis, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def voted_direction(grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis,
+                    seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(V, M): the voted ±1/0 direction (k, m_i, n) as int8, and the new momentum."""
-    U, M = _direction(grads, states, group)
+    U, M = _direction(grads, states, group, layout, shard)
     positive = (U >= 0).reshape(-1)
     fmt = resolve_vote(group["vote"], positive.numel(), replicate.size)
     return vote(positive, replicate, fmt, seed).view(U.shape), M
@@ -63,7 +93,7 @@ def voted_direction(params, grads, states, group: dict, replicate: Axis, seed: i
 
 def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int) -> None:
     """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place)."""
-    V, M = voted_direction(params, grads, states, group, replicate, seed)
+    V, M = voted_direction(grads, states, group, layout, replicate, shard, seed)
     update = V.to(M.dtype)
     if group["post_polar"]:
         update = polar(update, group["ns_steps"], _ns_dtype(group))
@@ -75,6 +105,6 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
 def muon_step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int) -> None:
     """One Muon step (baseline): full-precision gradient mean, then polar of the momentum."""
     G = replicate.all_reduce(torch.stack(grads).to(torch.promote_types(grads[0].dtype, torch.float32)), "mean")
-    U, M = _direction(list(G), states, group)
+    U, M = _direction(list(G), states, group, layout, shard)
     m, n = layout.shape
     _apply(params, states, M, U, group, math.sqrt(max(1.0, m / n)))
