@@ -14,7 +14,9 @@ this rank sends and receives with the volume of the standard algorithm
 | reduce_scatter  | (M−1)·S / M                 |
 
 (integer division of the product). No other module calls torch.distributed
-collectives.
+collectives. Every collective can run asynchronously (`async_op=True` returns
+a `Pending`), so the step scheduler can overlap one bucket's communication with
+another bucket's compute.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ def _resolve_group(mesh, name: str):
         group = mesh.get_group()
     elif isinstance(mesh, dist.ProcessGroup):
         group = mesh
+    elif type(mesh) is int and mesh == dist.GroupMember.NON_GROUP_MEMBER:   # dist.new_group() on a non-member
+        raise ValueError(f"{name}_mesh is a process group this rank (global rank {dist.get_rank()}) "
+                         f"is not a member of (dist.new_group returned GroupMember.NON_GROUP_MEMBER here); "
+                         f"pass the group that contains this rank")
     else:
         raise ValueError(f"{name}_mesh must be a 1-D DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")
     rank = dist.get_rank(group)
@@ -63,6 +69,18 @@ def _resolve_group(mesh, name: str):
         raise ValueError(f"{name}_mesh is a process group this rank (global rank {dist.get_rank()}) "
                          f"is not a member of; pass the group that contains this rank")
     return group, dist.get_world_size(group), rank
+
+
+class Pending:
+    """A collective in flight: `wait()` blocks until it is done and returns its result."""
+
+    def __init__(self, work, finish):
+        self.work, self.finish = work, finish
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+        return self.finish()
 
 
 class Axis:
@@ -89,33 +107,36 @@ class Axis:
         self.bytes_received += moved
         self.calls += 1
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def _issue(self, work, finish, async_op: bool):
+        pending = Pending(work, finish)
+        return pending if async_op else pending.wait()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
         """In place: tensor ← Σ (op="sum"), mean (op="mean", float only) or max over the axis."""
+        finish = (lambda: tensor.div_(self.size)) if op == "mean" else (lambda: tensor)
         if self.size == 1:
-            return tensor
+            return self._issue(None, lambda: tensor, async_op)
         self._count("all_reduce", tensor)
         reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        dist.all_reduce(tensor, op=reduce_op, group=self.group)
-        if op == "mean":
-            tensor.div_(self.size)
-        return tensor
+        work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
+        return self._issue(work, finish, async_op)
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, async_op: bool = False):
         """(…) on each rank → (M, …), row i from axis rank i."""
         if self.size == 1:
-            return tensor.unsqueeze(0)
+            return self._issue(None, lambda: tensor.unsqueeze(0), async_op)
         self._count("all_gather", tensor)
         out = tensor.new_empty((self.size * tensor.numel(),))
-        dist.all_gather_into_tensor(out, tensor.contiguous().reshape(-1), group=self.group)
-        return out.view(self.size, *tensor.shape)
+        work = dist.all_gather_into_tensor(out, tensor.contiguous().reshape(-1), group=self.group, async_op=True)
+        return self._issue(work, lambda: out.view(self.size, *tensor.shape), async_op)
 
     def all_to_all(self, tensor: torch.Tensor, input_splits: list[int] | None = None,
-                   output_splits: list[int] | None = None) -> torch.Tensor:
+                   output_splits: list[int] | None = None, async_op: bool = False):
         """Dim 0 split into M chunks (equal, or sizes `input_splits`); chunk i goes to rank i; the
         chunks received (sizes `output_splits`) are concatenated in rank order. Counts the bytes that
         leave and arrive at this rank (its own chunk stays): (M−1)/M of the input when even."""
         if self.size == 1:
-            return tensor
+            return self._issue(None, lambda: tensor, async_op)
         row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
         if input_splits is None:
             sent = collective_bytes("all_to_all", tensor.numel() * tensor.element_size(), self.size)
@@ -128,17 +149,18 @@ class Axis:
         self.bytes_sent += sent
         self.bytes_received += received
         self.calls += 1
-        dist.all_to_all_single(out, tensor.contiguous(), output_splits, input_splits, group=self.group)
-        return out
+        work = dist.all_to_all_single(out, tensor.contiguous(), output_splits, input_splits, group=self.group,
+                                      async_op=True)
+        return self._issue(work, lambda: out, async_op)
 
-    def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
+    def reduce_scatter(self, tensor: torch.Tensor, async_op: bool = False):
         """(M·k, …) → this rank's (k, …) piece of the sum over the axis."""
         if self.size == 1:
-            return tensor
+            return self._issue(None, lambda: tensor, async_op)
         self._count("reduce_scatter", tensor)
         out = tensor.new_empty((tensor.size(0) // self.size, *tensor.shape[1:]))
-        _reduce_scatter(out.view(-1), tensor.contiguous().view(-1), group=self.group)
-        return out
+        work = _reduce_scatter(out.view(-1), tensor.contiguous().view(-1), group=self.group, async_op=True)
+        return self._issue(work, lambda: out, async_op)
 
     def agree(self, values: list[int], timeout_s: float) -> list[list[int]]:
         """Every rank's list of ints (same length everywhere), waiting at most `timeout_s`, so a

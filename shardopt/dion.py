@@ -63,44 +63,47 @@ def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int
     return {"momentum": torch.zeros_like(param), "Q": like_param(param, Q, layout.shape[0]) if layout.sharded else Q}
 
 
-def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool) -> torch.Tensor:
-    """P ← mean_replicas(Σ_shards P) for P (k, a, r).
+def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool):
+    """P ← mean_replicas(Σ_shards P) for P (k, a, r); a generator of collectives (see schedule.py).
 
     With both axes (HSDP) the replicate axis carries only this rank's a/F rows:
     reduce-scatter the rows over the shard axis, average the piece over the
     replicate axis, all-gather it back (rows padded to a multiple of F).
     """
     if not average_replicas:
-        return shard.all_reduce(P, "sum")
+        return (yield shard.all_reduce(P, "sum", async_op=True))
     if shard.size == 1:
-        return replicate.all_reduce(P, "mean")
+        return (yield replicate.all_reduce(P, "mean", async_op=True))
     k, a, r = P.shape
     rows = padded_length(a, shard.size)
     by_rows = torch.nn.functional.pad(P.permute(1, 0, 2), (0, 0, 0, 0, 0, rows - a))   # (rows, k, r)
-    piece = replicate.all_reduce(shard.reduce_scatter(by_rows), "mean")                  # (rows/F, k, r)
-    return shard.all_gather(piece).reshape(rows, k, r)[:a].permute(1, 0, 2)
+    piece = yield shard.reduce_scatter(by_rows, async_op=True)                          # (rows/F, k, r)
+    piece = yield replicate.all_reduce(piece, "mean", async_op=True)
+    gathered = yield shard.all_gather(piece, async_op=True)
+    return gathered.reshape(rows, k, r)[:a].permute(1, 0, 2)
 
 
-def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int) -> None:
-    """One Dion step on a bucket of same-layout matrices (local tensors, updated in place)."""
+def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
+    """One Dion step on a bucket of same-layout matrices (local tensors, updated in place).
+    A generator that yields each collective (schedule.overlap runs it)."""
     dtype = torch.promote_types(params[0].dtype, torch.float32)
     G = torch.stack(grads).to(dtype)
     B = torch.stack([s["momentum"] for s in states]).to(dtype)
     Q = torch.stack([s["Q"] for s in states]).to(dtype)
     low_rank = compressed(layout, group)
     if not low_rank:
-        replicate.all_reduce(G, "mean")
+        G = yield replicate.all_reduce(G, "mean", async_op=True)
     if layout.transpose:
         G, B = G.mT, B.mT
     B += G
 
-    P = sum_shards_mean_replicas(B @ Q, shard, replicate, low_rank)
+    P = yield from sum_shards_mean_replicas(B @ Q, shard, replicate, low_rank)
     P = orthonormalize(P, group["qr_method"])
     R = B.mT @ P
     if low_rank:
-        replicate.all_reduce(R, "mean")
+        R = yield replicate.all_reduce(R, "mean", async_op=True)
     B.sub_(P @ R.mT, alpha=1 - group["mu"])
-    col_sq_norms = shard.all_reduce((R * R).sum(dim=-2), "sum")
+    col_sq_norms = yield shard.all_reduce((R * R).sum(dim=-2), "sum", async_op=True)
     Q = column_normalize(R, col_sq_norms, Q, group["epsilon"])
 
     update = P @ Q.mT

@@ -16,6 +16,7 @@ from . import dion, scalar, signmuon
 from .comm import Axis
 from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, validate_group
 from .placement import derive_meshes, local, matrix_layout
+from .schedule import complete, overlap
 
 MATRIX_STEPS = {"dion": dion.step, "signmuon": signmuon.step, "muon": signmuon.muon_step}
 MATRIX_INIT = {"dion": dion.init_state, "signmuon": signmuon.init_state, "muon": signmuon.init_state}
@@ -34,6 +35,7 @@ class ShardOptimizer(torch.optim.Optimizer):
     """
 
     matrix_algorithm = "dion"
+    overlap_depth = 2   # bucket steps in flight: one bucket's collective overlaps the next one's compute
 
     def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
                  agreement_timeout_s: float = 60.0):
@@ -93,16 +95,20 @@ class ShardOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        overlap(self._bucket_steps(), depth=self.overlap_depth)
+        return loss
+
+    def _bucket_steps(self):
+        """One step generator per bucket (matrix groups) or per group (element-wise), in param order."""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             if group["algorithm"] in MATRIX_ALGORITHMS:
                 for layout, bucket in self._buckets(params).items():
-                    self._matrix_step(bucket, group, layout)
+                    yield self._matrix_step(bucket, group, layout)
             else:
-                self._scalar_step(params, group)
-        return loss
+                yield self._scalar_step(params, group)
 
     def _buckets(self, params) -> dict:
         """Same layout, dtype and device → one bucket, in parameter order."""
@@ -124,17 +130,17 @@ class ShardOptimizer(torch.optim.Optimizer):
             states.append(state)
         return states
 
-    def _matrix_step(self, params, group: dict, layout) -> None:
+    def _matrix_step(self, params, group: dict, layout):
         algorithm = group["algorithm"]
         init = MATRIX_INIT[algorithm]
         states = self._states(params, lambda p: init(p, layout, group, self._seed(p)))
         bucket_seed = (self._seed(params[0]) * 1_000_003 + int(states[0]["step"])) % 2**63
-        MATRIX_STEPS[algorithm]([local(p) for p in params], [local(p.grad) for p in params], _local_states(states),
+        return MATRIX_STEPS[algorithm]([local(p) for p in params], [local(p.grad) for p in params], _local_states(states),
                                 group, layout, self.replicate, self.shard, bucket_seed)
 
-    def _scalar_step(self, params, group: dict) -> None:
+    def _scalar_step(self, params, group: dict):
         states = self._states(params, lambda p: scalar.init_state(p, group["algorithm"]))
-        scalar.step([local(p) for p in params], [local(p.grad) for p in params], _local_states(states), group,
+        return scalar.step([local(p) for p in params], [local(p.grad) for p in params], _local_states(states), group,
                     self.replicate)
 
     def _seed(self, param) -> int:
@@ -155,7 +161,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         checkpoint holds one momentum that every replica agrees on."""
         momenta = [local(state["momentum"]) for state in self.state.values() if "momentum" in state]
         if momenta:
-            for momentum, mean in zip(momenta, scalar.mean_gradients(momenta, self.replicate)):
+            for momentum, mean in zip(momenta, complete(scalar.mean_gradients(momenta, self.replicate))):
                 momentum.copy_(mean)
 
     @torch.no_grad()

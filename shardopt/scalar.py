@@ -16,23 +16,23 @@ def init_state(param: torch.Tensor, algorithm: str) -> dict:
     return state
 
 
-def mean_gradients(grads: list[torch.Tensor], replicate: Axis) -> list[torch.Tensor]:
-    """Replicate-axis mean of a list of gradients: one flat all-reduce per dtype.
-    Returns new tensors (the .grad tensors are not modified)."""
+def mean_gradients(grads: list[torch.Tensor], replicate: Axis):
+    """Replicate-axis mean of a list of tensors: one flat all-reduce per dtype (a generator of
+    collectives). Returns new tensors (the .grad tensors are not modified)."""
     if replicate.size == 1:
         return grads
     out = [None] * len(grads)
     for dtype in dict.fromkeys(g.dtype for g in grads):
         indices = [i for i, g in enumerate(grads) if g.dtype == dtype]
-        flat = replicate.all_reduce(torch.cat([grads[i].reshape(-1) for i in indices]), "mean")
+        flat = yield replicate.all_reduce(torch.cat([grads[i].reshape(-1) for i in indices]), "mean", async_op=True)
         for i, piece in zip(indices, flat.split([grads[i].numel() for i in indices])):
             out[i] = piece.view_as(grads[i])
     return out
 
 
-def step(params, grads, states, group: dict, replicate: Axis) -> None:
-    """One AdamW or Lion step on local tensors, after the replicate-axis gradient mean."""
-    grads = mean_gradients(grads, replicate)
+def step(params, grads, states, group: dict, replicate: Axis):
+    """One AdamW or Lion step on local tensors, after the replicate-axis gradient mean (a generator)."""
+    grads = yield from mean_gradients(grads, replicate)
     exp_avgs = [s["exp_avg"] for s in states]
     if group["algorithm"] == "lion":
         lion_update(params, grads, exp_avgs, lr=group["lr"], betas=group["betas"],

@@ -24,7 +24,7 @@ import torch
 from .comm import Axis
 from .placement import MatrixLayout
 from .polar import polar
-from .vote import resolve_vote, vote
+from .vote import resolve_vote, vote_exchange
 
 
 def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
@@ -36,8 +36,9 @@ def _ns_dtype(group: dict) -> torch.dtype | None:
     return getattr(torch, group["ns_dtype"]) if group["ns_dtype"] else None
 
 
-def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int, dtype) -> torch.Tensor:
-    """polar of whole matrices whose rows are split over the shard axis, returned as this rank's rows.
+def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int, dtype):
+    """polar of whole matrices whose rows are split over the shard axis, returned as this rank's rows
+    (a generator of collectives).
 
     U_in: (k, m_i, n). Matrix j is owned by shard rank j mod F: an all-to-all sends every
     row block to its owner, the owner orthogonalizes whole m×n matrices, and a second
@@ -50,20 +51,22 @@ def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int
     mine = owners[shard.rank]
     to_owner = [len(matrices) * rows for matrices in owners]
     from_ranks = [len(mine) * rows_s for rows_s in layout.shard_rows]
-    received = shard.all_to_all(torch.cat([U_in[m].reshape(-1, n) for m in owners]), to_owner, from_ranks)
+    received = yield shard.all_to_all(torch.cat([U_in[m].reshape(-1, n) for m in owners]), to_owner, from_ranks,
+                                      async_op=True)
     blocks = [piece.view(len(mine), rows_s, n) for piece, rows_s in zip(received.split(from_ranks), layout.shard_rows)]
     U = polar(torch.cat(blocks, dim=1), steps, dtype)                               # (len(mine), m, n)
     back = torch.cat([block.reshape(-1, n) for block in U.split(layout.shard_rows, dim=1)])
-    returned = shard.all_to_all(back, from_ranks, to_owner)
+    returned = yield shard.all_to_all(back, from_ranks, to_owner, async_op=True)
     out = U.new_empty((k, rows, n))
     for matrices, piece in zip(owners, returned.split(to_owner)):
         out[matrices] = piece.view(len(matrices), rows, n)
     return out
 
 
-def _direction(grads, states, group: dict, layout: MatrixLayout, shard: Axis) -> tuple[torch.Tensor, torch.Tensor]:
+def _direction(grads, states, group: dict, layout: MatrixLayout, shard: Axis):
     """(U, M): the polar direction and the new momentum, stacked (k, m_i, n). With
-    orthogonalize="shard" polar runs on the local row block; with "full" on whole matrices."""
+    orthogonalize="shard" polar runs on the local row block; with "full" on whole matrices
+    (a generator of collectives)."""
     dtype = torch.promote_types(grads[0].dtype, torch.float32)
     G = torch.stack(grads).to(dtype)
     M = torch.stack([s["momentum"] for s in states]).to(dtype)
@@ -71,7 +74,7 @@ def _direction(grads, states, group: dict, layout: MatrixLayout, shard: Axis) ->
     M.lerp_(G, 1 - beta)
     U_in = G.lerp(M, beta) if group["nesterov"] else M
     if group["orthogonalize"] == "full":
-        return full_polar(U_in, layout, shard, group["ns_steps"], _ns_dtype(group)), M
+        return (yield from full_polar(U_in, layout, shard, group["ns_steps"], _ns_dtype(group))), M
     return polar(U_in, group["ns_steps"], _ns_dtype(group)), M
 
 
@@ -82,18 +85,18 @@ def _apply(params, states, M, update, group: dict, scale: float) -> None:
         param.mul_(1 - lr * group["weight_decay"]).add_(update[i].to(param.dtype), alpha=-lr * scale)
 
 
-def voted_direction(grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis,
-                    seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(V, M): the voted ±1/0 direction (k, m_i, n) as int8, and the new momentum."""
-    U, M = _direction(grads, states, group, layout, shard)
+def voted_direction(grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
+    """(V, M): the voted ±1/0 direction (k, m_i, n) as int8, and the new momentum (a generator)."""
+    U, M = yield from _direction(grads, states, group, layout, shard)
     positive = (U >= 0).reshape(-1)
     fmt = resolve_vote(group["vote"], positive.numel(), replicate.size)
-    return vote(positive, replicate, fmt, seed).view(U.shape), M
+    return (yield from vote_exchange(positive, replicate, fmt, seed)).view(U.shape), M
 
 
-def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int) -> None:
-    """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place)."""
-    V, M = voted_direction(grads, states, group, layout, replicate, shard, seed)
+def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
+    """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place).
+    A generator that yields each collective (schedule.overlap runs it)."""
+    V, M = yield from voted_direction(grads, states, group, layout, replicate, shard, seed)
     update = V.to(M.dtype)
     if group["post_polar"]:
         update = polar(update, group["ns_steps"], _ns_dtype(group))
@@ -102,9 +105,10 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
     _apply(params, states, M, update, group, scale)
 
 
-def muon_step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int) -> None:
-    """One Muon step (baseline): full-precision gradient mean, then polar of the momentum."""
-    G = replicate.all_reduce(torch.stack(grads).to(torch.promote_types(grads[0].dtype, torch.float32)), "mean")
-    U, M = _direction(list(G), states, group, layout, shard)
+def muon_step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
+    """One Muon step (baseline): full-precision gradient mean, then polar of the momentum (a generator)."""
+    G = torch.stack(grads).to(torch.promote_types(grads[0].dtype, torch.float32))
+    G = yield replicate.all_reduce(G, "mean", async_op=True)
+    U, M = yield from _direction(list(G), states, group, layout, shard)
     m, n = layout.shape
     _apply(params, states, M, U, group, math.sqrt(max(1.0, m / n)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .comm import Axis, collective_bytes
+from .schedule import complete
 from .signs import majority, pack_signs, padded_length, unpack_signs
 
 VOTE_FORMATS = ("allreduce_int8", "allgather_1bit", "alltoall_1bit")
@@ -71,28 +72,33 @@ def vote(positive: torch.Tensor, axis: Axis, fmt: str, seed: int) -> torch.Tenso
     `fmt` is a resolved format (not "auto"); `seed` must be equal on all replicas
     (it seeds the tie-breaking coins of the 1-bit formats).
     """
+    return complete(vote_exchange(positive, axis, fmt, seed))
+
+
+def vote_exchange(positive: torch.Tensor, axis: Axis, fmt: str, seed: int):
+    """`vote` as a generator of collectives, for schedule.overlap."""
     n = positive.numel()
     voters = axis.size
     if voters == 1:
         return torch.where(positive, 1, -1).to(torch.int8)
     if fmt == "allreduce_int8":
         wire = torch.where(positive, 1, -1).to(_int_wire_dtype(voters))
-        total = axis.all_reduce(wire, "sum")
+        total = yield axis.all_reduce(wire, "sum", async_op=True)
         return torch.sign(total).to(torch.int8)
     tie_break = coin(n, seed, positive.device) if voters % 2 == 0 else None
     if fmt == "allgather_1bit":
-        gathered = axis.all_gather(pack_signs(positive))              # (M, ceil(n/8))
+        gathered = yield axis.all_gather(pack_signs(positive), async_op=True)   # (M, ceil(n/8))
         counts = unpack_signs(gathered, n).sum(dim=0)
         return majority(counts, voters, tie_break)
     if fmt == "alltoall_1bit":
         packed = pack_signs(positive, pad_to=8 * voters)              # (M·c,) c bytes per owner
         chunk = packed.numel() // voters
-        received = axis.all_to_all(packed).view(voters, chunk)        # my chunk from every replica
+        received = (yield axis.all_to_all(packed, async_op=True)).view(voters, chunk)   # my chunk from everyone
         owned = slice(axis.rank * chunk * 8, (axis.rank + 1) * chunk * 8)
         counts = unpack_signs(received).sum(dim=0)
         if tie_break is not None:
             tie_break = torch.nn.functional.pad(tie_break, (0, packed.numel() * 8 - n))[owned]
         owned_vote = majority(counts, voters, tie_break) > 0
-        result = axis.all_gather(pack_signs(owned_vote)).reshape(-1)  # (M·c,)
+        result = (yield axis.all_gather(pack_signs(owned_vote), async_op=True)).reshape(-1)   # (M·c,)
         return torch.where(unpack_signs(result, n), 1, -1).to(torch.int8)
     raise ValueError(f"vote format must be one of {VOTE_FORMATS}, got {fmt!r}")

@@ -1,0 +1,133 @@
+"""Optimizer state as a safetensors file (no pickle), for users who do not use DCP.
+
+    save_optimizer_state(optimizer, "opt.safetensors")   # atomic: temp file, fsync, rename
+    load_optimizer_state(optimizer, "opt.safetensors")   # checks name, shapes, checksums
+
+Tensors are stored as "state.<param index>.<key>" (this rank's local tensors:
+under FSDP2 each rank writes its own file, e.g. "opt-rank{rank}.safetensors";
+to change the world size, use torch.distributed.checkpoint instead). The
+metadata holds the optimizer class, its param-group hyperparameters, the step,
+and a SHA-256 of every tensor's bytes, so a corrupt, truncated or foreign file
+is rejected with an error that names the tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .placement import local
+
+FORMAT = "shardopt-optimizer-state/1"
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def _hyperparameters(optimizer) -> list[dict]:
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def save_optimizer_state(optimizer, path: str | os.PathLike) -> None:
+    """Write `optimizer.state_dict()` to `path` atomically (a crash leaves any previous file intact)."""
+    state = optimizer.state_dict()
+    tensors = {}
+    for index, param_state in state["state"].items():
+        for key, value in param_state.items():
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"optimizer state {index}.{key} is a {type(value).__name__}, not a tensor; "
+                                 f"save_optimizer_state stores tensors only")
+            tensors[f"state.{index}.{key}"] = local(value).detach().cpu().contiguous()
+    steps = [float(s["step"]) for s in state["state"].values() if "step" in s]
+    metadata = {
+        "format": FORMAT,
+        "optimizer": type(optimizer).__name__,
+        "param_groups": json.dumps(_hyperparameters(optimizer), default=str),
+        "group_params": json.dumps([group["params"] for group in state["param_groups"]]),
+        "step": str(int(max(steps)) if steps else 0),
+        "sha256": json.dumps({name: _digest(t) for name, t in tensors.items()}),
+    }
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=directory)
+    os.close(handle)
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    """The metadata of an optimizer-state file (raises ValueError if it is not one)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(os.fspath(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error}); it may be truncated or corrupt") from error
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a shardopt optimizer-state file (format {metadata.get('format')!r}, "
+                         f"expected {FORMAT!r})")
+    return metadata
+
+
+def load_optimizer_state(optimizer, path: str | os.PathLike) -> dict:
+    """Load a file written by save_optimizer_state into `optimizer` (same class, same param shapes).
+    Returns the file's metadata. Raises ValueError naming the first tensor that does not match."""
+    metadata = read_metadata(path)
+    if metadata["optimizer"] != type(optimizer).__name__:
+        raise ValueError(f"{path} holds {metadata['optimizer']} state; cannot load it into {type(optimizer).__name__}")
+    try:
+        tensors = load_file(os.fspath(path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path} could not be read ({error}); it may be truncated or corrupt") from error
+    digests = json.loads(metadata["sha256"])
+    for name, digest in digests.items():
+        if name not in tensors:
+            raise ValueError(f"{path}: tensor {name!r} listed in the metadata is missing")
+        if _digest(tensors[name]) != digest:
+            raise ValueError(f"{path}: tensor {name!r} fails its SHA-256 check; the file is corrupt")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    group_params = json.loads(metadata["group_params"])
+    if [len(g) for g in group_params] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError(f"{path}: param groups hold {[len(g) for g in group_params]} params, the optimizer "
+                         f"{[len(g['params']) for g in optimizer.param_groups]}")
+    state = {}
+    for name, tensor in tensors.items():
+        _, index, key = name.split(".", 2)
+        param = params[int(index)]
+        current = optimizer.state.get(param, {}).get(key)
+        expected = tuple(local(param).shape) if key in ("momentum", "exp_avg", "exp_avg_sq") else None
+        if expected is not None and tuple(tensor.shape) != expected:
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)} but param {index} holds "
+                             f"{expected} on this rank")
+        if current is not None and hasattr(current, "to_local"):
+            local(current).copy_(tensor)
+            tensor = current
+        state.setdefault(int(index), {})[key] = tensor
+    groups = json.loads(metadata["param_groups"])
+    for saved, group, ids in zip(groups, optimizer.param_groups, group_params):
+        saved["params"] = ids
+        for key in ("betas",):
+            if key in saved:
+                saved[key] = tuple(saved[key])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return metadata
