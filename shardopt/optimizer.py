@@ -8,6 +8,7 @@ element-wise ones ("adamw", "lion") get the whole group.
 
 from __future__ import annotations
 
+import logging
 import zlib
 
 import torch
@@ -18,6 +19,8 @@ from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, validate_group
 from .placement import derive_meshes, local, matrix_layout
 from .schedule import complete, overlap
 
+logger = logging.getLogger("shardopt")
+NONFINITE = ("skip", "raise")
 MATRIX_STEPS = {"dion": dion.step, "signmuon": signmuon.step, "muon": signmuon.muon_step}
 MATRIX_INIT = {"dion": dion.init_state, "signmuon": signmuon.init_state, "muon": signmuon.init_state}
 
@@ -32,13 +35,21 @@ class ShardOptimizer(torch.optim.Optimizer):
     seed: seeds Dion's Q₀ and Sign-Muon's tie-breaking coins; must be equal on all ranks.
     agreement_timeout_s: bound on the construction-time check that all ranks hold the same
         parameters and settings (a mismatch raises on every rank instead of hanging later).
+    nonfinite: what a NaN/inf gradient on any rank does to a step. "skip" (default): the step is
+        skipped on every rank, no state changes (momenta, Q, step counts), `skipped_steps` counts
+        it and a warning is logged. "raise": FloatingPointError on every rank, state untouched.
+        The check is one all-reduce of one float per axis and one device sync per step.
     """
 
     matrix_algorithm = "dion"
     overlap_depth = 2   # bucket steps in flight: one bucket's collective overlaps the next one's compute
 
     def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
-                 agreement_timeout_s: float = 60.0):
+                 agreement_timeout_s: float = 60.0, nonfinite: str = "skip"):
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"Invalid nonfinite: {nonfinite!r}; allowed: {', '.join(map(repr, NONFINITE))}")
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
         self.seed = int(seed)
         self._param_index: dict[torch.Tensor, int] = {}
         self._param_label: dict[torch.Tensor, str] = {}
@@ -56,17 +67,22 @@ class ShardOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
-        validate_group(group, index)
         names = group.get("param_names") or [None] * len(group["params"])
-        for position, (param, name) in enumerate(zip(group["params"], names)):
-            label = f"{name!r}" if name else f"#{position} of param group {index}"
-            if not param.dtype.is_floating_point:
-                raise ValueError(f"param {label} has dtype {param.dtype}; shardopt optimizes floating-point "
-                                 f"tensors only (float32, float64, bfloat16, float16)")
-            if group["algorithm"] in MATRIX_ALGORITHMS and param.ndim != 2:
-                raise ValueError(f"param {label} with shape {tuple(param.shape)} is in a {group['algorithm']!r} "
-                                 f"group but is not 2-D; put it in an 'adamw' or 'lion' group "
-                                 f"(shardopt.param_groups(model) does this)")
+        labels = [f"{name!r}" if name else f"#{position} of param group {index}" for position, name in enumerate(names)]
+        try:
+            validate_group(group, index)
+            for param, label in zip(group["params"], labels):
+                if not param.dtype.is_floating_point:
+                    raise ValueError(f"param {label} has dtype {param.dtype}; shardopt optimizes floating-point "
+                                     f"tensors only (float32, float64, bfloat16, float16)")
+                if group["algorithm"] in MATRIX_ALGORITHMS and param.ndim != 2:
+                    raise ValueError(f"param {label} with shape {tuple(param.shape)} is in a {group['algorithm']!r} "
+                                     f"group but is not 2-D; put it in an 'adamw' or 'lion' group "
+                                     f"(shardopt.param_groups(model) does this)")
+        except ValueError:
+            self.param_groups.pop()   # a rejected group leaves nothing behind (DESIGN §7)
+            raise
+        for param, label in zip(group["params"], labels):
             self._param_index[param] = len(self._param_index)
             self._param_label[param] = label
 
@@ -95,8 +111,32 @@ class ShardOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._nonfinite_gradients():
+            return loss
         overlap(self._bucket_steps(), depth=self.overlap_depth)
         return loss
+
+    def _nonfinite_gradients(self) -> bool:
+        """True (on every rank) when any rank has a NaN/inf gradient: then the step is skipped or raises."""
+        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return False
+        bad = torch.stack([~torch.isfinite(norm) for norm in torch._foreach_norm(grads)])
+        flag = bad.any().to(torch.float32).reshape(1)
+        self.replicate.all_reduce(flag, "max")
+        self.shard.all_reduce(flag, "max")
+        if not bool(flag.item()):   # the device sync: every rank must take the same branch
+            return False
+        local_bad = [self._param_label[p] for group in self.param_groups for p in group["params"]
+                     if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
+        where = f"this rank's params {', '.join(local_bad[:5])}" if local_bad else "another rank"
+        if self.nonfinite == "raise":
+            raise FloatingPointError(f"non-finite gradient (NaN/inf) in {where}; no state was changed "
+                                     f"(nonfinite='raise'; use nonfinite='skip' to skip such steps)")
+        self.skipped_steps += 1
+        logger.warning("shardopt: skipped a step with a non-finite gradient in %s (%d skipped so far)", where,
+                       self.skipped_steps)
+        return True
 
     def _bucket_steps(self):
         """One step generator per bucket (matrix groups) or per group (element-wise), in param order."""
@@ -191,32 +231,31 @@ def bit_hash(tensor: torch.Tensor) -> torch.Tensor:
 
 class Dion(ShardOptimizer):
     """Dion (DESIGN §1). Non-matrix params go in groups with algorithm "adamw" or "lion"
-    (see `shardopt.param_groups`), which use lr, betas, epsilon and weight_decay."""
+    (see `shardopt.param_groups`), which use lr, betas, epsilon and weight_decay.
+    `options`: seed, agreement_timeout_s, nonfinite (see ShardOptimizer)."""
 
     matrix_algorithm = "dion"
 
     def __init__(self, params, lr: float = 0.01, mu: float = 0.95, rank_fraction: float = 1.0,
                  rank_multiple_of: int = 1, weight_decay: float = 0.01, epsilon: float = 1e-8,
-                 qr_method: str = "qr", betas=(0.9, 0.95), *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
-                 agreement_timeout_s: float = 60.0):
+                 qr_method: str = "qr", betas=(0.9, 0.95), *, replicate_mesh=None, shard_mesh=None,
+                 **options):
         defaults = dict(lr=lr, mu=mu, rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
                         weight_decay=weight_decay, epsilon=epsilon, qr_method=qr_method, betas=betas)
-        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, seed=seed,
-                         agreement_timeout_s=agreement_timeout_s)
+        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, **options)
 
 
 class SignMuon(ShardOptimizer):
-    """Sign-Muon (DESIGN §2). vote: "allreduce_int8", "allgather_1bit", "alltoall_1bit" or "auto"."""
+    """Sign-Muon (DESIGN §2). vote: "allreduce_int8", "allgather_1bit", "alltoall_1bit" or "auto".
+    `options`: seed, agreement_timeout_s, nonfinite (see ShardOptimizer)."""
 
     matrix_algorithm = "signmuon"
 
     def __init__(self, params, lr: float, momentum: float = 0.9, nesterov: bool = False, ns_steps: int = 5,
                  post_polar: bool = False, lr_scale: str = "none", weight_decay: float = 0.0,
                  betas=(0.9, 0.95), epsilon: float = 1e-8, ns_dtype: str | None = None, vote: str = "auto",
-                 orthogonalize: str = "shard", *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
-                 agreement_timeout_s: float = 60.0):
+                 orthogonalize: str = "shard", *, replicate_mesh=None, shard_mesh=None, **options):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, post_polar=post_polar,
                         lr_scale=lr_scale, weight_decay=weight_decay, betas=betas, epsilon=epsilon,
                         ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize)
-        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, seed=seed,
-                         agreement_timeout_s=agreement_timeout_s)
+        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, **options)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import reference
 import shardopt
+from shardopt.comm import collective_bytes
 from shardopt.placement import chunk_rows
 from workers import WorkerPool
 
@@ -158,10 +159,12 @@ def test_fsdp_signmuon_uneven_and_empty_shards_match_reference(pool4, orthogonal
 
 
 def _dion_hsdp_bytes(rank_fraction):
-    """DESIGN §1 byte formulas per rank and axis for one step of _run_dion's matrices at 2×2, fp64."""
+    """DESIGN §1 byte formulas per rank and axis for one step of _run_dion's matrices at 2×2, fp64,
+    plus the non-finite check: one all-reduce of one float32 per axis."""
     F = M = 2
     itemsize = 8
-    shard_bytes = replicate_bytes = 0
+    shard_bytes = collective_bytes("all_reduce", 4, F)
+    replicate_bytes = [collective_bytes("all_reduce", 4, M)] * F
     for m, n in SHAPES:
         a, b = n, m
         r = shardopt.lowrank.dion_rank(m, n, rank_fraction, 1)
@@ -171,7 +174,7 @@ def _dion_hsdp_bytes(rank_fraction):
         per_rank = []
         for b_i in chunk_rows(b, F):
             per_rank.append(2 * (M - 1) * (rows // F * r + b_i * r) * itemsize // M)   # (a/F + b_i)·r
-        replicate_bytes = [x + y for x, y in zip(replicate_bytes or [0] * F, per_rank)]
+        replicate_bytes = [x + y for x, y in zip(replicate_bytes, per_rank)]
     return shard_bytes, replicate_bytes
 
 
