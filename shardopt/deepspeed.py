@@ -60,7 +60,6 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import math
 import os
 
 import torch
@@ -69,12 +68,12 @@ from .groups import describe_groups, param_groups
 from .optimizer import Dion, ShardOptimizer, SignMuon
 
 SHARDOPT_SECTION_KEYS = ("scalar_algorithm", "scalar_names", "head_names", "scalar", "matrix", "verbose")
-# DeepSpeed schedulers that set absolute learning rates, and their lr parameters (with DeepSpeed's defaults).
+# DeepSpeed schedulers that set absolute learning rates, and their lr parameters (a number, or one per group).
 ABSOLUTE_LR_SCHEDULERS = {
-    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001},
-    "WarmupDecayLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001},
-    "OneCycle": {"cycle_min_lr": None, "cycle_max_lr": None},
-    "LRRangeTest": {"lr_range_test_min_lr": 0.001},
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr"),
+    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr"),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
+    "LRRangeTest": ("lr_range_test_min_lr",),
 }
 
 
@@ -100,6 +99,7 @@ class _EngineSide:
             raise ValueError(f"Invalid gradient_clipping: {max_grad_norm!r}; it must be a number ≥ 0")
         self.max_grad_norm = float(max_grad_norm)
         self._global_grad_norm = None
+        self.overflow = False       # read by the engine: a skipped step does not advance the LR scheduler
         self._inert = True          # until initialize() has wired the engine: see step()
         super().__init__(params, *args, **kwargs)
 
@@ -111,7 +111,10 @@ class _EngineSide:
             return None
         if self.max_grad_norm > 0:
             self._clip_local_gradients()
-        return super().step(closure)
+        skipped = self.skipped_steps
+        loss = super().step(closure)
+        self.overflow = self.skipped_steps != skipped    # a non-finite gradient on some replica
+        return loss
 
     def _clip_local_gradients(self) -> None:
         """g ← g · min(1, max_norm / (ν + 1e-6)), ν = mean over replicas of ‖g_local‖₂ (no host sync)."""
@@ -166,8 +169,8 @@ class _AgreedOverflowCheck:
             squares = torch.stack([g.detach().float().norm() ** 2 for g in grads]).sum()
             bad = (~torch.isfinite(squares)).float().reshape(1)
         else:
-            bad = torch.zeros(1)
-        return bool(self.replicate.all_reduce(bad, "max").item())
+            bad = torch.zeros(1, device=self.params[0].device)
+        return bool(self.replicate.all_reduce(bad, "max").item())   # the decision: one device sync
 
 
 # ---- initialize -------------------------------------------------------------------------------------
@@ -198,10 +201,11 @@ def initialize(*args, **kwargs):
     config["gradient_clipping"] = 0.0           # clipped by the optimizer, the same on every replica
 
     built = []
+    given = call.get("model_parameters") is not None
 
-    def build(model_parameters):
+    def build(model_parameters):    # called by the engine once the model is cast and on its device
         from deepspeed.utils import groups as deepspeed_groups
-        groups = _param_groups(call["model"], call.get("model_parameters"), cls, section)
+        groups = _param_groups(call["model"], model_parameters if given else None, cls, section)
         optimizer = cls(groups, **options, max_grad_norm=max_grad_norm,
                         replicate_mesh=deepspeed_groups._get_data_parallel_group())
         _check_scheduler(config.get("scheduler"), optimizer.param_groups)
@@ -258,20 +262,23 @@ def _check_supported(config: dict, call: dict, name: str) -> None:
             f"its own compressed exchange. Set \"zero_optimization\": {{\"stage\": 0}}, or, to shard "
             f"weights and optimizer state, use shardopt with FSDP2 (fully_shard(model, mesh=...) and "
             f"{name}(..., replicate_mesh=mesh['replicate'], shard_mesh=mesh['shard']); see integrations/fsdp/train.py)")
+    if type(call.get("model")).__name__ == "PipelineModule":
+        raise NotImplementedError(f"shardopt's {name} under DeepSpeed does not support pipeline parallelism "
+                                  f"(PipelineModule); use a plain nn.Module with ZeRO stage 0")
     if call.get("mpu") is not None:
         raise NotImplementedError(f"shardopt's {name} under DeepSpeed does not support model parallelism "
                                   f"(mpu=...): tensor-parallel shards are not whole matrices")
-    autocast = config.get("torch_autocast") or {}
-    if autocast.get("enabled") and str(autocast.get("dtype", "")).endswith("float16") and \
-            "bfloat16" not in str(autocast.get("dtype", "")):
-        raise NotImplementedError(f"shardopt's {name} under DeepSpeed does not support torch_autocast with "
-                                  f"float16 (its GradScaler skips steps per rank); use \"fp16\": "
-                                  f"{{\"enabled\": true}} or bf16")
 
 
 def _optimizer_options(cls, params: dict, name: str) -> dict:
-    signature = inspect.signature(cls.__mro__[2].__init__)
-    allowed = [p for p in signature.parameters if p not in ("self", "params", "replicate_mesh", "shard_mesh")]
+    """The config's optimizer params as keyword arguments of the class (checked by name here, by value there)."""
+    base = next(c for c in cls.__mro__ if c in (Dion, SignMuon))
+    allowed = []
+    for function in (base.__init__, ShardOptimizer.__init__):
+        for parameter in inspect.signature(function).parameters.values():
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and parameter.name not in (
+                    "self", "params", "defaults", "replicate_mesh", "shard_mesh") and parameter.name not in allowed:
+                allowed.append(parameter.name)
     unknown = [key for key in params if key not in allowed]
     if unknown:
         raise ValueError(f"optimizer.params has unknown key(s) {', '.join(map(repr, unknown))} for {name}; "
@@ -292,16 +299,28 @@ def _shardopt_section(config: dict) -> dict:
 
 
 def _param_groups(model, model_parameters, cls, section: dict) -> list:
-    """The caller's model_parameters if given (a list of params or param-group dicts), else
-    shardopt.param_groups(model) with the "shardopt" section's overrides."""
-    if model_parameters is not None:
+    """shardopt.param_groups(model) with the "shardopt" section's overrides, restricted to
+    `model_parameters` when those are given as tensors (the usual model.parameters()); param-group
+    dicts given by the caller are used as they are."""
+    if model_parameters is not None and any(isinstance(item, dict) for item in model_parameters):
         return list(model_parameters)
     options = {"scalar_algorithm": section.get("scalar_algorithm", "adamw"),
                "matrix_options": section.get("matrix"), "scalar_options": section.get("scalar"),
                "scalar_names": tuple(section.get("scalar_names", ()))}
     if "head_names" in section:
         options["head_names"] = tuple(section["head_names"])
-    return param_groups(model, cls.matrix_algorithm, **options)
+    groups = param_groups(model, cls.matrix_algorithm, **options)
+    if model_parameters is None:
+        return groups
+    chosen = {id(p) for p in model_parameters}
+    known = {id(p) for group in groups for p in group["params"]}
+    if chosen - known:
+        raise ValueError(f"{len(chosen - known)} of model_parameters are not trainable parameters of the model; "
+                         f"pass the model's own parameters (or param-group dicts)")
+    for group in groups:
+        kept = [(p, n) for p, n in zip(group["params"], group["param_names"]) if id(p) in chosen]
+        group["params"], group["param_names"] = [p for p, _ in kept], [n for _, n in kept]
+    return [group for group in groups if group["params"]]
 
 
 def _check_scheduler(scheduler: dict | None, groups: list[dict]) -> None:
@@ -325,6 +344,10 @@ def _wire(engine, optimizer: ShardOptimizer) -> None:
     """Turn the engine's gradient all-reduce off and fit the optimizer to DeepSpeed's fp16/bf16 wrapper."""
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
+    if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
+        raise NotImplementedError("shardopt optimizers under DeepSpeed do not support torch_autocast with float16 "
+                                  "(its GradScaler decides to skip a step on each rank alone); use "
+                                  "\"fp16\": {\"enabled\": true} or bf16")
     engine.enable_backward_allreduce = False
     wrapper = engine.optimizer
     if wrapper is not optimizer:
@@ -335,7 +358,7 @@ def _wire(engine, optimizer: ShardOptimizer) -> None:
             optimizer._adopt_master_copies(model_params, master_params)
         wrapper.overflow_checker = _AgreedOverflowCheck([p for g in wrapper.fp16_groups for p in g], optimizer)
         wrapper.checkpoint_event_prologue = optimizer.checkpoint_event_prologue
-        if wrapper.loss_scale_config.use_grad_scaling:
+        if engine.fp16_enabled():
             _scale_loss_in_backward(engine)
     optimizer._inert = False
 
@@ -345,12 +368,14 @@ def _scale_loss_in_backward(engine) -> None:
     loss_scale / gradient_accumulation_steps (loss_scale without scale_wrt_gas), whatever the
     engine multiplies the loss by, as DeepSpeed's fp16 wrapper expects when it unscales in step."""
     original = engine.backward
+    signature = inspect.signature(original)
 
-    def backward(loss, retain_graph=False, scale_wrt_gas=True):
+    def backward(loss, *args, **kwargs):
+        scale_wrt_gas = signature.bind(loss, *args, **kwargs).arguments.get("scale_wrt_gas", True)
         factor = engine.optimizer.loss_scale / (engine.gradient_accumulation_steps() if scale_wrt_gas else 1)
         handle = loss.register_hook(lambda grad: torch.full_like(grad, factor))
         try:
-            return original(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+            return original(loss, *args, **kwargs)
         finally:
             handle.remove()
 

@@ -39,7 +39,9 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algori
     Scalar (element-wise) params: embeddings and weights tied to them, output heads (module
     named in `head_names`), norms, biases, every tensor that is not 2-D, and any whose name
     contains a string in `scalar_names`. Each group carries "param_names" (so errors name
-    parameters) and the options given for it (e.g. scalar_options={"lr": 3e-4}).
+    parameters) and the options given for it (e.g. scalar_options={"lr": 3e-4}). The scalar group
+    has no weight decay unless scalar_options sets "weight_decay" (norms, biases and embeddings
+    are usually not decayed); the matrix group takes the optimizer's default.
     With verbose=True, prints one line per group. Groups with no params are left out.
     """
     if matrix_algorithm not in MATRIX_ALGORITHMS:
@@ -50,7 +52,8 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algori
     modules = dict(model.named_modules())
     embedding_params = {id(p) for m in model.modules() if isinstance(m, EMBEDDING_TYPES) for p in m.parameters(recurse=False)}
     matrix = {"params": [], "param_names": [], "algorithm": matrix_algorithm, **(matrix_options or {})}
-    scalar = {"params": [], "param_names": [], "algorithm": scalar_algorithm, **(scalar_options or {})}
+    scalar = {"params": [], "param_names": [], "algorithm": scalar_algorithm, "weight_decay": 0.0,
+              **(scalar_options or {})}
     reasons: dict[str, int] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:

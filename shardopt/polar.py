@@ -8,7 +8,9 @@ only matmuls:
 
 iterated on the wide orientation (rows ≤ columns) so Aₖ is the small Gram
 matrix. The quintic does not converge to exactly 1: after 5 steps the
-singular values of a well-conditioned input lie roughly in [0.7, 1.2].
+singular values of a well-conditioned input lie in about [0.68, 1.2024]
+(1.2024 is the quintic's own peak); directions with σ far below ‖G‖_F/√rank
+(e.g. the smallest of a square Gaussian matrix) stay small.
 """
 
 import torch

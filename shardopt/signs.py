@@ -6,7 +6,12 @@ count as positive so the map is deterministic.
 
 import torch
 
-_BIT_WEIGHTS = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
+
+
+def _bit_weights(device) -> torch.Tensor:
+    """(1, 2, 4, …, 128) as uint8, made on `device` (no host-to-device copy inside a step)."""
+    return torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=device),
+                                    torch.arange(8, dtype=torch.uint8, device=device))
 
 
 def positive_signs(U: torch.Tensor) -> torch.Tensor:
@@ -27,13 +32,13 @@ def pack_signs(positive: torch.Tensor, pad_to: int = 8) -> torch.Tensor:
     n = positive.numel()
     bits = torch.zeros(padded_length(n, pad_to), dtype=torch.uint8, device=positive.device)
     bits[:n] = positive.reshape(-1)
-    weights = _BIT_WEIGHTS.to(positive.device)
+    weights = _bit_weights(positive.device)
     return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """Inverse of pack_signs on the last dim: uint8 (..., k) → bool (..., 8k), cut to n if given."""
-    weights = _BIT_WEIGHTS.to(packed.device)
+    weights = _bit_weights(packed.device)
     bits = (packed.unsqueeze(-1) & weights) != 0
     bits = bits.reshape(*packed.shape[:-1], -1)
     return bits if n is None else bits[..., :n]

@@ -51,6 +51,10 @@ class WorkerPool:
         self.processes = []
 
     def _start(self) -> None:
+        # Import once in the parent so forked workers do not each pay for it (torch.optim loads
+        # torch._dynamo on first use: seconds per process).
+        import torch._dynamo  # noqa: F401
+        import torch.distributed.tensor  # noqa: F401
         self._tmp = tempfile.TemporaryDirectory(prefix="shardopt-pool-")
         store_path = os.path.join(self._tmp.name, "store")
         self.connections = []

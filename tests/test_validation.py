@@ -1,0 +1,113 @@
+"""Bad input → ValueError that names the parameter (DESIGN §7), one process, table-driven."""
+
+import pytest
+import torch
+from torch import nn
+
+import shardopt
+
+
+def matrix():
+    return nn.Parameter(torch.randn(6, 4))
+
+
+def vector():
+    return nn.Parameter(torch.randn(6))
+
+
+def dion(**kwargs):
+    return lambda: shardopt.Dion([matrix()], **kwargs)
+
+
+def signmuon(**kwargs):
+    kwargs.setdefault("lr", 0.01)
+    return lambda: shardopt.SignMuon([matrix()], **kwargs)
+
+
+def groups(cls, *param_groups, **kwargs):
+    return lambda: cls(list(param_groups), **kwargs)
+
+
+CASES = {
+    # shapes and dtypes
+    "1-D tensor in a dion group": (groups(shardopt.Dion, {"params": [vector()]}), r"#0 of param group 0.*shape \(6,\).*'dion'.*not 2-D"),
+    "1-D tensor named in a dion group": (groups(shardopt.Dion, {"params": [vector()], "param_names": ["mlp.bias"]}),
+                                         r"'mlp.bias'.*not 2-D"),
+    "3-D tensor in a signmuon group": (groups(shardopt.SignMuon, {"params": [nn.Parameter(torch.randn(2, 3, 4))]}, lr=0.1),
+                                       r"shape \(2, 3, 4\).*'signmuon'.*not 2-D"),
+    "integer dtype param": (lambda: shardopt.Dion([torch.zeros(4, 4, dtype=torch.int64)]), r"dtype torch\.int64"),
+    "integer dtype in an adamw group": (groups(shardopt.Dion, {"params": [torch.zeros(4, dtype=torch.int32)],
+                                                               "algorithm": "adamw"}), r"dtype torch\.int32"),
+    # Dion hyperparameters
+    "rank_fraction 0": (dion(rank_fraction=0.0), r"Invalid rank_fraction: 0\.0 .*\(0\.0, 1\.0\]"),
+    "rank_fraction 1.5": (dion(rank_fraction=1.5), r"Invalid rank_fraction: 1\.5"),
+    "rank_fraction negative": (dion(rank_fraction=-0.5), r"Invalid rank_fraction: -0\.5"),
+    "rank_multiple_of 0": (dion(rank_multiple_of=0), r"Invalid rank_multiple_of: 0"),
+    "rank_multiple_of float": (dion(rank_multiple_of=2.5), r"Invalid rank_multiple_of: 2\.5"),
+    "mu 1": (dion(mu=1.0), r"Invalid mu: 1\.0"),
+    "mu above 1": (dion(mu=1.5), r"Invalid mu: 1\.5"),
+    "mu negative": (dion(mu=-0.1), r"Invalid mu: -0\.1"),
+    "unknown qr_method": (dion(qr_method="svd"), r"Invalid qr_method: 'svd'.*'qr', 'cholesky'"),
+    "epsilon 0": (dion(epsilon=0.0), r"Invalid epsilon: 0\.0"),
+    # shared
+    "lr negative (dion)": (dion(lr=-0.01), r"Invalid lr: -0\.01"),
+    "lr negative (signmuon)": (signmuon(lr=-1.0), r"Invalid lr: -1\.0"),
+    "lr not a number": (dion(lr="fast"), r"Invalid lr: 'fast'.*real number"),
+    "lr bool": (dion(lr=True), r"Invalid lr: True"),
+    "weight_decay negative": (dion(weight_decay=-0.1), r"Invalid weight_decay: -0\.1"),
+    "unknown algorithm": (groups(shardopt.Dion, {"params": [matrix()], "algorithm": "sgd"}),
+                          r"Invalid algorithm: 'sgd'.*'dion'.*'signmuon'"),
+    # Sign-Muon hyperparameters
+    "momentum 1": (signmuon(momentum=1.0), r"Invalid momentum: 1\.0"),
+    "momentum above 1": (signmuon(momentum=2.0), r"Invalid momentum: 2\.0"),
+    "unknown vote": (signmuon(vote="ring"), r"Invalid vote: 'ring'.*'allreduce_int8'"),
+    "ns_steps 0": (signmuon(ns_steps=0), r"Invalid ns_steps: 0 .*integer ≥ 1"),
+    "ns_steps float": (signmuon(ns_steps=2.0), r"Invalid ns_steps: 2\.0"),
+    "unknown ns_dtype": (signmuon(ns_dtype="int8"), r"Invalid ns_dtype: 'int8'"),
+    "unknown lr_scale": (signmuon(lr_scale="spectral"), r"Invalid lr_scale: 'spectral'.*'unit_gain'"),
+    "unknown orthogonalize": (signmuon(orthogonalize="global"), r"Invalid orthogonalize: 'global'"),
+    "nesterov not bool": (signmuon(nesterov=1), r"Invalid nesterov: 1"),
+    "post_polar not bool": (signmuon(post_polar="yes"), r"Invalid post_polar: 'yes'"),
+    # element-wise groups
+    "betas[1] = 1": (groups(shardopt.Dion, {"params": [vector()], "algorithm": "adamw", "betas": (0.9, 1.0)}),
+                     r"Invalid betas\[1\]: 1\.0"),
+    "betas[0] negative": (groups(shardopt.Dion, {"params": [vector()], "algorithm": "lion", "betas": (-0.1, 0.99)}),
+                          r"Invalid betas\[0\]: -0\.1"),
+    "betas not a pair": (groups(shardopt.Dion, {"params": [vector()], "algorithm": "adamw", "betas": (0.9,)}),
+                         r"Invalid betas: \(0\.9,\).*pair"),
+    "adamw lr negative in group 1": (groups(shardopt.Dion, {"params": [matrix()]},
+                                            {"params": [vector()], "algorithm": "adamw", "lr": -3e-4}),
+                                     r"Invalid lr: -0\.0003 \(param group 1\)"),
+    # meshes
+    "shard_mesh without DTensor params": (dion(shard_mesh=object()), r"shard_mesh was given but no parameter is a DTensor"),
+    "replicate_mesh without torch.distributed": (dion(replicate_mesh=object()),
+                                                 r"replicate_mesh was given but torch.distributed is not initialized"),
+}
+
+
+@pytest.mark.parametrize("build, match", list(CASES.values()), ids=list(CASES))
+def test_bad_input_raises_value_error_naming_the_parameter(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+@pytest.mark.parametrize("kwargs", [dict(rank_fraction=1.0), dict(rank_fraction=1e-3), dict(mu=0.0), dict(lr=0.0),
+                                    dict(weight_decay=0.0), dict(qr_method="cholesky"), dict(rank_multiple_of=128)])
+def test_boundary_values_that_are_allowed_for_dion(kwargs):
+    shardopt.Dion([matrix()], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(momentum=0.0), dict(ns_steps=1), dict(vote="alltoall_1bit"),
+                                    dict(ns_dtype="bfloat16"), dict(lr_scale="unit_gain"), dict(orthogonalize="full")])
+def test_boundary_values_that_are_allowed_for_signmuon(kwargs):
+    shardopt.SignMuon([matrix()], lr=0.01, **kwargs)
+
+
+def test_keys_an_algorithm_does_not_read_are_not_validated():
+    """An adamw group inherits Dion's defaults; a Sign-Muon key it never reads is not checked."""
+    shardopt.Dion([{"params": [vector()], "algorithm": "adamw", "ns_steps": 0}])
+
+
+def test_signmuon_requires_lr():
+    with pytest.raises(TypeError, match="lr"):
+        shardopt.SignMuon([matrix()])
