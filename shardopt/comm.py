@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 AXIS_NAMES = ("replicate", "shard")
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+# renamed in torch 2.13 (the old names warn there); torch ≥ 2.6 has the old ones only
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def collective_bytes(kind: str, nbytes: int, size: int) -> int:
@@ -127,7 +129,7 @@ class Axis:
             return self._issue(None, lambda: tensor.unsqueeze(0), async_op)
         self._count("all_gather", tensor)
         out = tensor.new_empty((self.size * tensor.numel(),))
-        work = dist.all_gather_into_tensor(out, tensor.contiguous().reshape(-1), group=self.group, async_op=True)
+        work = _all_gather(out, tensor.contiguous().reshape(-1), group=self.group, async_op=True)
         return self._issue(work, lambda: out.view(self.size, *tensor.shape), async_op)
 
     def all_to_all(self, tensor: torch.Tensor, input_splits: list[int] | None = None,
@@ -174,7 +176,7 @@ class Axis:
         self._count("all_gather", local_values)
         out = local_values.new_empty((self.size * len(values),))
         try:
-            work = dist.all_gather_into_tensor(out, local_values, group=self.group, async_op=True)
+            work = _all_gather(out, local_values, group=self.group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as error:
             raise RuntimeError(f"shardopt: ranks of the {self.name} axis failed or timed out ({timeout_s:g} s) in the "

@@ -9,7 +9,10 @@ config's "optimizer" type is "Dion" or "SignMuon" it builds the optimizer
 (`shardopt.param_groups(model)`: 2-D weights for the matrix algorithm, the rest
 for AdamW) on the engine's data-parallel group as the replicate axis and hands it
 to DeepSpeed as a client optimizer; any other config goes to deepspeed.initialize
-unchanged. The optimizer's "params" are the class's keyword arguments. An optional
+unchanged. model_parameters given as tensors (model.parameters()) select the params
+to train, still split by param_groups; param-group dicts are used as given. Model
+parallelism (mpu=..., PipelineModule) is refused: its shards are not whole matrices.
+The optimizer's "params" are the class's keyword arguments. An optional
 top-level "shardopt" section changes the grouping:
 
     "shardopt": {"scalar_algorithm": "adamw" | "lion",
@@ -43,7 +46,12 @@ plugin changes in the engine, and why:
   sync, as DeepSpeed's own check has). With fp16, DeepSpeed 0.19 at stage 0 runs
   backward without the loss scale yet unscales in step (deepspeedai/DeepSpeed#8393);
   `engine.backward` here applies the scale (the gradient entering the loss is set to
-  loss_scale / gradient_accumulation_steps, so it stays right if DeepSpeed fixes it).
+  loss_scale / gradient_accumulation_steps, so it stays right if DeepSpeed fixes it; as in
+  DeepSpeed's own fp16 wrapper, an fp16 loss tensor overflows at scale 2^16 and the first step
+  is skipped: compute the loss in fp32). Use engine.backward, not engine.scale(loss).backward().
+- Non-finite gradients in fp32: the optimizer's own check (nonfinite="skip", agreed over the
+  replicas) skips the step on every rank and sets `optimizer.overflow`, which the engine reads:
+  engine.skipped_steps counts it and the LR scheduler does not advance, as under fp16.
 - Checkpoints: `engine.save_checkpoint` first averages the replicas' decoupled
   momenta (DESIGN §6), so the one optimizer state DeepSpeed writes (data-parallel
   rank 0) holds for every replica; the saving run and a run resumed from the
@@ -208,7 +216,8 @@ def initialize(*args, **kwargs):
         groups = _param_groups(call["model"], model_parameters if given else None, cls, section)
         optimizer = cls(groups, **options, max_grad_norm=max_grad_norm,
                         replicate_mesh=deepspeed_groups._get_data_parallel_group())
-        _check_scheduler(config.get("scheduler"), optimizer.param_groups)
+        if call.get("lr_scheduler") is None:
+            _check_scheduler(config.get("scheduler"), optimizer.param_groups)
         if section.get("verbose") and torch.distributed.get_rank() == 0:
             print(describe_groups(optimizer.param_groups))
         built.append(optimizer)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The README's first command: shardopt's optimizers on a 4-process CPU job, about 10 minutes on 2 cores.
+#
+#   bash launch/demo.sh
+#
+# Sets up the environment (launch/env.sh), prepares the Shakespeare bytes (once), then trains the
+# same small GPT (4 layers, width 128, context 64) with AdamW, Dion (rank 1/4) and Sign-Muon on a
+# mesh of 2 replicas × 2 FSDP2 shards: FSDP2 inside a replica, the optimizer's own compressed
+# exchange between replicas. Prints a table (final val loss, replicate-axis bytes per step, wall
+# time) and writes it to results/demo.csv; the runs' metrics, plots and logs go to runs/demo/.
+# Override the size with e.g. STEPS=100 REPLICATE=4 SHARD=1 bash launch/demo.sh.
+set -euo pipefail
+source "$(dirname "$0")/env.sh"
+cd "$SHARDOPT_ROOT"
+
+REPLICATE=${REPLICATE:-2}
+SHARD=${SHARD:-2}
+STEPS=${STEPS:-300}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+python integrations/data.py
+
+runs=runs/demo
+rm -rf "$runs"
+mkdir -p "$runs"
+for optimizer in adamw dion signmuon; do
+    echo "== $optimizer: $STEPS steps on $REPLICATE replicas × $SHARD shards"
+    torchrun --standalone --nproc_per_node $((REPLICATE * SHARD)) integrations/fsdp/train.py \
+        --replicate "$REPLICATE" --shard "$SHARD" --optimizer "$optimizer" --rank-fraction 0.25 \
+        --steps "$STEPS" --out-dir "$runs/$optimizer" --summary-csv "$runs/summary.csv"
+done
+
+mkdir -p results
+cp "$runs/summary.csv" results/demo.csv
+echo
+python launch/results_table.py results/demo.csv

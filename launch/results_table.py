@@ -1,0 +1,94 @@
+"""The README's results tables (markdown), regenerated from the committed CSVs in results/.
+
+    python launch/results_table.py                       # print the tables of results/*.csv
+    python launch/results_table.py results/demo.csv      # print one
+    python launch/results_table.py --readme README.md    # rewrite the README's results section
+
+results/demo.csv (launch/demo.sh; one row per run as integrations/fsdp/train.py --summary-csv
+writes them) becomes the table of final val loss, replicate-axis bytes per step and wall time;
+bytes are those one rank sends per step on the replicate axis (the slow, between-node links),
+counted by shardopt's communication layer for every optimizer alike, and "vs AdamW" divides
+by the AdamW row of the same file. Any other CSV is shown column for column. In the README the
+tables go between the lines <!-- results:begin --> and <!-- results:end --> (or replace a line
+that reads RESULTS_TABLE, the first time).
+"""
+
+import argparse
+import csv
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def human_bytes(count: float) -> str:
+    """3 significant digits, decimal units: 1657092 → "1.66 MB"."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if round(count, 1) < 1000 or unit == "GB":
+            return f"{count:.3g} {unit}"
+        count /= 1000
+
+
+def training_table(rows: list[dict]) -> str:
+    adamw = next((float(r["replicate_bytes_per_step"]) for r in rows if r["optimizer"] == "adamw"), None)
+    lines = ["| optimizer | mesh (replicate × shard) | steps | final val loss | replicate-axis bytes/step | vs AdamW | wall time |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        name = r["optimizer"] + (f" (rank fraction {float(r['rank_fraction']):g})" if r.get("rank_fraction") else "") \
+            + (f" ({r['vote']})" if r.get("vote") else "")
+        sent = float(r["replicate_bytes_per_step"])
+        ratio = f"1/{adamw / sent:.1f}" if adamw and sent and r["optimizer"] != "adamw" else "1" if adamw else "–"
+        lines.append(f"| {name} | {r['replicate']} × {r['shard']} | {r['steps']} | {float(r['final_val_loss']):.3f} | "
+                     f"{human_bytes(sent)} | {ratio} | {float(r['wall_s']):.0f} s |")
+    return "\n".join(lines)
+
+
+def plain_table(rows: list[dict]) -> str:
+    columns = list(rows[0]) if rows else []
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(r[c] for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def tables(paths: list[Path]) -> str:
+    parts = []
+    for path in paths:
+        with path.open() as f:
+            rows = list(csv.DictReader(f))
+        shown = path.relative_to(ROOT).as_posix() if path.resolve().is_relative_to(ROOT) else path.as_posix()
+        render = training_table if rows and "final_val_loss" in rows[0] else plain_table
+        parts.append(f"<!-- {shown}: python launch/results_table.py {shown} -->\n{render(rows)}")
+    return "\n\n".join(parts)
+
+
+def rewrite_readme(readme: Path, text: str) -> None:
+    content = readme.read_text()
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in content and END in content:
+        content = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, content, count=1, flags=re.S)
+    elif re.search(r"^RESULTS_TABLE$", content, flags=re.M):
+        content = re.sub(r"^RESULTS_TABLE$", lambda _: block, content, count=1, flags=re.M)
+    else:
+        raise SystemExit(f"{readme}: no {BEGIN} … {END} block and no RESULTS_TABLE line to put the tables in")
+    temporary = readme.with_suffix(readme.suffix + ".tmp")
+    temporary.write_text(content)
+    temporary.replace(readme)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("csv", nargs="*", type=Path, help="default: results/demo.csv, then the other results/*.csv")
+    parser.add_argument("--readme", type=Path, help="rewrite this README's results section instead of printing")
+    args = parser.parse_args()
+    paths = [p.resolve() for p in args.csv] or sorted((ROOT / "results").glob("*.csv"), key=lambda p: (p.name != "demo.csv", p.name))
+    text = tables(paths)
+    if args.readme:
+        rewrite_readme(args.readme, text)
+        print(f"wrote the tables of {len(paths)} CSV file(s) into {args.readme}")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
