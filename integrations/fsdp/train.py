@@ -1,0 +1,362 @@
+"""Train the small GPT on Shakespeare bytes with FSDP2 and a shardopt optimizer on a (replicate, shard) mesh.
+
+    python integrations/data.py                                   # once: fetch and prepare the data
+    torchrun --standalone --nproc_per_node 4 integrations/fsdp/train.py \\
+        --replicate 2 --shard 2 --optimizer dion --rank-fraction 0.25
+
+The world is a mesh of `--replicate` × `--shard` ranks. FSDP2 shards every block and the
+root over the shard axis (it reduce-scatters gradients there, as usual); nobody averages
+gradients over the replicate axis except the optimizer, which exchanges them in its own
+compressed form (Dion: low-rank factors; Sign-Muon: a 1-bit majority vote). Embeddings,
+norms and the (tied) output head use AdamW with a full-precision mean, as in every run, so
+the baselines differ only in the optimizer of the 2-D weights:
+
+    adamw     AdamW (full-precision gradient mean over the replicate axis)
+    muon      Muon (full-precision gradient mean, Newton–Schulz direction)
+    dion      Dion (rank r = rank_fraction · min(m, n); exchanges (m + n)·r numbers, not m·n)
+    signmuon  Sign-Muon (Newton–Schulz direction, sign, majority vote; 1 bit per number or less)
+
+All replicate-axis traffic goes through shardopt, so opt.comm_stats() counts every run's
+bytes the same way. Every rank reads its own batches, drawn from (seed, step, rank) alone,
+so `--resume` continues from the latest checkpoint (DCP, model + optimizer) on the same
+trajectory as an uninterrupted run; a checkpoint also resumes on another --replicate × --shard
+(DCP reshards it). Written to --out-dir: metrics.csv (one row per log
+step), loss.png (if matplotlib is installed: pip install -e '.[train]'), summary.json and
+checkpoints/step_NNNNNN/ (on several nodes, put --out-dir where every node sees it).
+"""
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: model.py, data.py
+import data  # noqa: E402
+import shardopt  # noqa: E402
+from shardopt.vote import resolve_vote  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+started = time.perf_counter()
+
+# ---- command line ------------------------------------------------------------------------------
+DEFAULT_LR = {"adamw": 3e-3, "muon": 0.02, "dion": 0.02, "signmuon": 3e-3}
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+parser.add_argument("--replicate", type=int, default=None, help="replicas (data parallel, optimizer-compressed); "
+                    "default: world size / --shard")
+parser.add_argument("--shard", type=int, default=1, help="FSDP2 shard ranks per replica")
+parser.add_argument("--optimizer", choices=sorted(DEFAULT_LR), default="dion")
+parser.add_argument("--lr", type=float, default=None, help=f"lr of the 2-D weights; default by optimizer {DEFAULT_LR}")
+parser.add_argument("--scalar-lr", type=float, default=3e-3, help="AdamW lr of embeddings, norms and head")
+parser.add_argument("--weight-decay", type=float, default=0.01, help="weight decay of the 2-D weights")
+parser.add_argument("--rank-fraction", type=float, default=0.25, help="dion: rank / min(m, n)")
+parser.add_argument("--mu", type=float, default=0.95, help="dion: error-feedback momentum")
+parser.add_argument("--momentum", type=float, default=0.95, help="signmuon, muon: EMA momentum")
+parser.add_argument("--ns-steps", type=int, default=5, help="signmuon, muon: Newton–Schulz steps")
+parser.add_argument("--vote", default="auto", choices=shardopt.VOTE_FORMATS + ("auto",),
+                    help="signmuon: wire format of the majority vote")
+parser.add_argument("--n-layer", type=int, default=4)
+parser.add_argument("--n-head", type=int, default=4)
+parser.add_argument("--n-embd", type=int, default=128)
+parser.add_argument("--block-size", type=int, default=64, help="context length")
+parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+parser.add_argument("--steps", type=int, default=300, help="length of the run (and of the lr schedule)")
+parser.add_argument("--warmup", type=int, default=20, help="linear lr warm-up steps, then cosine to 10%%")
+parser.add_argument("--stop-at", type=int, default=None, help="stop after this step (e.g. to resume later)")
+parser.add_argument("--log-every", type=int, default=10)
+parser.add_argument("--eval-every", type=int, default=50)
+parser.add_argument("--eval-batches", type=int, default=8, help="val batches per rank per evaluation")
+parser.add_argument("--checkpoint-every", type=int, default=0, help="0: no checkpoints")
+parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
+parser.add_argument("--out-dir", type=Path, default=None, help="default: runs/<optimizer>")
+parser.add_argument("--data-dir", type=Path, default=data.default_cache() / "shakespeare")
+parser.add_argument("--summary-csv", type=Path, default=None, help="append one row of final numbers to this CSV")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait for another rank "
+                    "before this rank fails with a timeout error (a dead rank then stops the job, not hangs it)")
+parser.add_argument("--check-replicas-every", type=int, default=100, help="every N steps check that the "
+                    "replicas' weights are bitwise equal and stop with an error if not (0: never)")
+args = parser.parse_args()
+args.lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
+args.out_dir = args.out_dir or Path("runs") / args.optimizer
+
+# ---- distributed set-up: a (replicate, shard) mesh ---------------------------------------------
+cuda = torch.cuda.is_available()
+world_size = int(os.environ.get("WORLD_SIZE", "1"))
+args.replicate = args.replicate or max(1, world_size // max(1, args.shard))
+if args.replicate < 1 or args.shard < 1 or args.replicate * args.shard != world_size:
+    parser.error(f"--replicate {args.replicate} × --shard {args.shard} = {args.replicate * args.shard} ranks, "
+                 f"but the world size is {world_size} (torchrun --nproc_per_node × --nnodes); "
+                 f"choose --replicate and --shard with product {world_size}")
+if cuda:
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+timeout = datetime.timedelta(seconds=args.timeout)
+if "RANK" in os.environ:   # under torchrun; keys of an earlier attempt (torchrun --max-restarts) stay
+    # in its store, so each attempt rendezvouses under its own prefix
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=int(os.environ["RANK"]),
+                            world_size=world_size, timeout=timeout)
+else:                      # plain `python train.py`: a world of one
+    dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timeout)
+device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+mesh = init_device_mesh(device.type, (args.replicate, args.shard), mesh_dim_names=("replicate", "shard"))
+rank = dist.get_rank()
+master = rank == 0
+print(f"rank {rank}/{world_size} on {os.uname().nodename}: replicate {mesh.get_local_rank('replicate')}, "
+      f"shard {mesh.get_local_rank('shard')}", flush=True)
+
+
+def log(message: str) -> None:
+    if master:
+        print(message, flush=True)
+
+
+def sync() -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+# ---- data --------------------------------------------------------------------------------------
+train_tokens = data.load(args.data_dir, "train")
+val_tokens = data.load(args.data_dir, "val")
+
+
+def batch(split: str, step: int):
+    tokens = train_tokens if split == "train" else val_tokens
+    x, y = data.get_batch(tokens, args.batch_size, args.block_size, args.seed, step, rank, split)
+    return x.to(device), y.to(device)
+
+
+# ---- model: FSDP2 over the shard axis only -----------------------------------------------------
+torch.manual_seed(args.seed)   # the same initial weights on every rank
+model = GPT(GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                      n_embd=args.n_embd)).to(device)
+# (also when --shard is 1: the parameters are then DTensors all the same, so the optimizer state has
+# one layout at every mesh shape and a checkpoint resumes on a different --replicate × --shard)
+for block in model.transformer.h:
+    fully_shard(block, mesh=mesh["shard"])
+fully_shard(model, mesh=mesh["shard"])
+log(f"model: {model.num_params():,} params, {args.n_layer} layers, width {args.n_embd}, context {args.block_size}; "
+    f"mesh {args.replicate} replicate × {args.shard} shard on {device.type}")
+
+# ---- optimizer: the 2-D weights get --optimizer, everything else AdamW ---------------------------
+matrix_algorithm = "dion" if args.optimizer == "adamw" else args.optimizer
+groups = shardopt.param_groups(model, matrix_algorithm, "adamw", scalar_options=dict(lr=args.scalar_lr, weight_decay=0.0),
+                               verbose=master)
+meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed)
+if args.optimizer == "dion":
+    opt = shardopt.Dion(groups, lr=args.lr, mu=args.mu, rank_fraction=args.rank_fraction,
+                        weight_decay=args.weight_decay, **meshes)
+elif args.optimizer == "signmuon":
+    opt = shardopt.SignMuon(groups, lr=args.lr, momentum=args.momentum, ns_steps=args.ns_steps, vote=args.vote,
+                            weight_decay=args.weight_decay, **meshes)
+else:   # the baselines: Muon, or AdamW on the matrices too; both average full-precision gradients
+    groups[0]["algorithm"] = args.optimizer
+    opt = shardopt.ShardOptimizer(groups, dict(lr=args.lr, momentum=args.momentum, ns_steps=args.ns_steps,
+                                               weight_decay=args.weight_decay), **meshes)
+base_lrs = [group["lr"] for group in opt.param_groups]
+
+
+def lr_multiplier(step: int) -> float:
+    """Linear warm-up over args.warmup steps, then cosine from 1 to 0.1 at args.steps."""
+    if step <= args.warmup:
+        return step / max(1, args.warmup)
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ---- checkpoints: DCP of model + optimizer ------------------------------------------------------
+checkpoints = args.out_dir / "checkpoints"
+
+
+def save_checkpoint(step: int) -> None:
+    opt.synchronize_for_checkpoint()   # one momentum that every replica agrees on
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoints / f"step_{step:06d}")
+    opt.reset_comm_stats()             # checkpoint traffic is not a training step's
+
+
+def latest_checkpoint() -> tuple[int, Path] | None:
+    done = [path for path in checkpoints.glob("step_*") if (path / ".metadata").exists()]
+    return max(((int(path.name[5:]), path) for path in done), default=None)
+
+
+start_step = 0
+found = latest_checkpoint()
+if found and not args.resume:
+    log(f"note: {checkpoints} holds checkpoints of an earlier run (up to step {found[0]}); this run starts "
+        f"from step 0 and overwrites them as it reaches their steps (--resume continues instead)")
+if args.resume:
+    if found is None:
+        log(f"resume: no checkpoint in {checkpoints}; starting from step 0")
+    else:
+        start_step, path = found
+        model_state, optim_state = get_state_dict(model, opt)   # (initializes the optimizer state)
+        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=optim_state)
+        opt.reset_comm_stats()
+        log(f"resume: loaded {path} (step {start_step})")
+
+# ---- metrics: CSV rows (rank 0), kept up to the resumed step ----------------------------------
+FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "tokens_per_s", "step_ms", "opt_step_ms",
+          "replicate_bytes_per_step", "shard_bytes_per_step", "elapsed_s"]
+metrics_path = args.out_dir / "metrics.csv"
+rows = []
+if master:
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if start_step and metrics_path.exists():
+        with metrics_path.open() as f:
+            rows = [row for row in csv.DictReader(f) if int(row["step"]) <= start_step]
+    with metrics_path.open("w", newline="") as f:
+        csv.DictWriter(f, FIELDS).writeheader()
+        csv.DictWriter(f, FIELDS).writerows(rows)
+
+
+def write_row(row: dict) -> None:
+    rows.append(row)
+    with metrics_path.open("a", newline="") as f:
+        csv.DictWriter(f, FIELDS).writerow(row)
+
+
+@torch.no_grad()
+def evaluate() -> float:
+    """Mean val loss over args.eval_batches fixed batches per rank, averaged over all ranks."""
+    model.eval()
+    losses = torch.stack([model(*batch("val", i))[1] for i in range(args.eval_batches)])
+    model.train()
+    mean = losses.mean().reshape(1)
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().reshape(1).clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+# ---- training loop -----------------------------------------------------------------------------
+tokens_per_step = args.batch_size * args.block_size * dist.get_world_size()
+end_step = min(args.steps, args.stop_at or args.steps)
+interactive = master and sys.stdout.isatty()
+log(f"train: {args.optimizer} lr {args.lr:g}, steps {start_step + 1}..{end_step} of {args.steps}, "
+    f"{tokens_per_step:,} tokens per step, out {args.out_dir}")
+if start_step == 0 and args.eval_every:
+    val_loss = evaluate()
+    log(f"step 0: val loss {val_loss:.4f}")
+    if master:
+        write_row(dict.fromkeys(FIELDS, "") | {"step": 0, "tokens": 0, "val_loss": f"{val_loss:.6f}", "elapsed_s": 0})
+loop_started = time.perf_counter()
+window = dict(loss=torch.zeros((), device=device), steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
+totals = dict(steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
+for step in range(start_step + 1, end_step + 1):
+    tick = time.perf_counter()
+    for group, base_lr in zip(opt.param_groups, base_lrs):
+        group["lr"] = base_lr * lr_multiplier(step)
+    x, y = batch("train", step)
+    _, loss = model(x, y)
+    loss.backward()
+    sync()
+    opt_tick = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync()
+    tock = time.perf_counter()
+    stats = opt.comm_stats()
+    opt.reset_comm_stats()
+    for counter in (window, totals):
+        counter["steps"] += 1
+        counter["seconds"] += tock - tick
+        counter["opt_seconds"] += tock - opt_tick
+        counter["replicate"] += stats["replicate"]["bytes_sent"]
+        counter["shard"] += stats["shard"]["bytes_sent"]
+    window["loss"] += loss.detach()
+
+    evaluate_now = args.eval_every and (step % args.eval_every == 0 or step == end_step)
+    if step % args.log_every == 0 or evaluate_now or step == end_step:
+        train_loss = mean_over_ranks(window["loss"] / window["steps"])
+        val_loss = evaluate() if evaluate_now else None
+        n = window["steps"]
+        row = {"step": step, "tokens": step * tokens_per_step, "lr": f"{args.lr * lr_multiplier(step):.6g}",
+               "train_loss": f"{train_loss:.6f}", "val_loss": "" if val_loss is None else f"{val_loss:.6f}",
+               "tokens_per_s": f"{n * tokens_per_step / window['seconds']:.1f}",
+               "step_ms": f"{1000 * window['seconds'] / n:.2f}", "opt_step_ms": f"{1000 * window['opt_seconds'] / n:.2f}",
+               "replicate_bytes_per_step": window["replicate"] // n, "shard_bytes_per_step": window["shard"] // n,
+               "elapsed_s": f"{time.perf_counter() - loop_started:.1f}"}
+        if master:
+            write_row(row)
+        line = (f"step {step}/{args.steps}: train loss {train_loss:.4f}"
+                + ("" if val_loss is None else f", val loss {val_loss:.4f}")
+                + f", {row['tokens_per_s']} tok/s, step {row['step_ms']} ms (optimizer {row['opt_step_ms']} ms), "
+                  f"replicate {int(row['replicate_bytes_per_step']):,} B/step, shard {int(row['shard_bytes_per_step']):,} B/step")
+        log(("\r\033[K" if interactive else "") + line)   # (clears the progress bar)
+        window.update(loss=torch.zeros((), device=device), steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
+    elif interactive:
+        done = step - start_step
+        eta = (time.perf_counter() - loop_started) / done * (end_step - step)
+        print(f"\rstep {step}/{args.steps}  [{'#' * (30 * step // args.steps):<30}]  eta {eta:.0f} s", end="", flush=True)
+
+    if args.check_replicas_every and step % args.check_replicas_every == 0 and not opt.replicas_consistent():
+        raise SystemExit(f"rank {rank}: replicas diverged at step {step} (weights differ bitwise between "
+                         f"replicas); stopping. Resume from the last checkpoint with --resume")
+    if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == end_step):
+        save_checkpoint(step)
+
+# ---- summary, plot ------------------------------------------------------------------------------
+dist.barrier()
+if master and totals["steps"]:
+    final_val = next((float(r["val_loss"]) for r in reversed(rows) if r["val_loss"] != ""), float("nan"))
+    summary = {
+        "optimizer": args.optimizer, "replicate": args.replicate, "shard": args.shard, "lr": args.lr,
+        "rank_fraction": args.rank_fraction if args.optimizer == "dion" else "",
+        "vote": resolve_vote(args.vote, max(p.to_local().numel() for p in groups[0]["params"]), args.replicate)
+        if args.optimizer == "signmuon" else "",   # the wire format "auto" picks for the largest matrix
+        "params": model.num_params(), "steps": end_step, "tokens": end_step * tokens_per_step,
+        "final_train_loss": float(rows[-1]["train_loss"]), "final_val_loss": final_val,
+        "replicate_bytes_per_step": totals["replicate"] // totals["steps"],
+        "shard_bytes_per_step": totals["shard"] // totals["steps"],
+        "step_ms": round(1000 * totals["seconds"] / totals["steps"], 2),
+        "opt_step_ms": round(1000 * totals["opt_seconds"] / totals["steps"], 2),
+        "wall_s": round(time.perf_counter() - started, 1), "device": device.type,
+    }
+    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if args.summary_csv:
+        new_file = not args.summary_csv.exists()
+        args.summary_csv.parent.mkdir(parents=True, exist_ok=True)
+        with args.summary_csv.open("a", newline="") as f:
+            writer = csv.DictWriter(f, list(summary))
+            if new_file:
+                writer.writeheader()
+            writer.writerow(summary)
+    log(f"done: {args.optimizer} val loss {final_val:.4f}, replicate {summary['replicate_bytes_per_step']:,} B/step, "
+        f"wall {summary['wall_s']} s; wrote {metrics_path}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("plot: matplotlib is not installed, no loss.png (pip install -e '.[train]')")
+    else:
+        figure, axes = plt.subplots(figsize=(6, 4))
+        for column in ("train_loss", "val_loss"):
+            points = [(int(r["step"]), float(r[column])) for r in rows if r[column] != ""]
+            axes.plot(*zip(*points), label=column.replace("_", " "), marker="o" if column == "val_loss" else None)
+        axes.set(xlabel="step", ylabel="loss (nats/byte)", title=f"{args.optimizer}, {args.replicate} replicas × {args.shard} shards")
+        axes.legend()
+        figure.savefig(args.out_dir / "loss.png", dpi=100, bbox_inches="tight")
+        log(f"plot: wrote {args.out_dir / 'loss.png'}")
+dist.destroy_process_group()

@@ -1,0 +1,201 @@
+"""integrations/fsdp/train.py under torchrun (2 CPU processes, gloo): it trains, logs, and resumes exactly."""
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "integrations" / "fsdp" / "train.py"
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
+        "--warmup", "5", "--log-every", "5", "--eval-every", "10", "--eval-batches", "2"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A small byte corpus in the prepared layout (train.bin / val.bin), so no download is needed."""
+    directory = tmp_path_factory.mktemp("data")
+    text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(2000))
+    (directory / "train.bin").write_bytes(text[:90_000])
+    (directory / "val.bin").write_bytes(text[90_000:])
+    return directory
+
+
+def train(data_dir, out_dir, *extra, nproc=2, timeout=180):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               str(TRAIN), "--data-dir", str(data_dir), "--out-dir", str(out_dir), *TINY, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert done.returncode == 0, f"train.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done.stdout
+
+
+def metrics(out_dir) -> list[dict]:
+    with (Path(out_dir) / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def checkpoint_tensors(path, target) -> dict:
+    """Every tensor of a DCP checkpoint (read on this single process through a torch.save file `target`)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(path, target)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, torch.Tensor):
+            flat[prefix] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(f"{prefix}.{index}", item)
+    walk("", torch.load(target, weights_only=True))
+    return flat
+
+
+DION = ["--optimizer", "dion", "--steps", "20", "--checkpoint-every", "10"]
+
+
+@pytest.fixture(scope="module")
+def whole_runs(data_dir, tmp_path_factory):
+    """mesh (replicate, shard) → out dir of an uninterrupted 20-step Dion run with checkpoints at 10 and 20."""
+    runs = {}
+
+    def run(replicate, shard):
+        if (replicate, shard) not in runs:
+            out_dir = tmp_path_factory.mktemp(f"whole_{replicate}x{shard}")
+            train(data_dir, out_dir, *DION, "--replicate", str(replicate), "--shard", str(shard))
+            runs[replicate, shard] = out_dir
+        return runs[replicate, shard]
+    return run
+
+
+def assert_learns(out_dir):
+    rows = metrics(out_dir)
+    assert [int(r["step"]) for r in rows] == [0, 5, 10, 15, 20]
+    train_losses = [float(r["train_loss"]) for r in rows[1:]]
+    val_losses = [float(r["val_loss"]) for r in rows if r["val_loss"]]
+    assert train_losses[-1] < train_losses[0] - 0.5, train_losses
+    assert val_losses[-1] < val_losses[0] - 0.5, val_losses
+    assert (Path(out_dir) / "summary.json").exists()
+    return rows
+
+
+def test_dion_between_replicas_lowers_the_loss_and_logs_bytes(whole_runs):
+    rows = assert_learns(whole_runs(2, 1))
+    assert all(int(r["replicate_bytes_per_step"]) > 0 for r in rows[1:])
+
+
+def test_signmuon_inside_fsdp_lowers_the_loss(data_dir, tmp_path):
+    train(data_dir, tmp_path, "--optimizer", "signmuon", "--replicate", "1", "--shard", "2", "--steps", "20")
+    rows = assert_learns(tmp_path)
+    assert all(int(r["replicate_bytes_per_step"]) == 0 for r in rows[1:])
+
+
+def test_mismatched_mesh_is_a_clear_error(data_dir):
+    """Checked before any process group starts (so without torchrun, as torchrun's WORLD_SIZE says)."""
+    command = [sys.executable, str(TRAIN), "--data-dir", str(data_dir), "--replicate", "3", "--shard", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "WORLD_SIZE": "2"})
+    assert done.returncode != 0
+    assert "--replicate 3 × --shard 1 = 3 ranks, but the world size is 2" in done.stderr
+
+
+@pytest.mark.parametrize("replicate, shard", [(2, 1), (1, 2)])
+def test_resume_continues_bitwise_on_the_same_trajectory(data_dir, tmp_path, whole_runs, replicate, shard):
+    """20 steps in one go vs. stop at 10 then --resume: the same checkpoint at step 20, bit for bit."""
+    mesh = ["--replicate", str(replicate), "--shard", str(shard)]
+    whole_dir = whole_runs(replicate, shard)
+    train(data_dir, tmp_path / "split", *DION, *mesh, "--stop-at", "10")
+    assert not (tmp_path / "split" / "checkpoints" / "step_000020").exists()
+    output = train(data_dir, tmp_path / "split", *DION, *mesh, "--resume")
+    assert "resume: loaded" in output and "(step 10)" in output
+
+    whole = checkpoint_tensors(whole_dir / "checkpoints" / "step_000020", tmp_path / "whole.pt")
+    split = checkpoint_tensors(tmp_path / "split" / "checkpoints" / "step_000020", tmp_path / "split.pt")
+    assert whole.keys() == split.keys()
+    assert any(key.startswith(".model.") for key in whole) and any("momentum" in key for key in whole)
+    different = [key for key in whole if not torch.equal(whole[key], split[key])]
+    assert not different, different
+    final = lambda rows: [(r["step"], r["train_loss"], r["val_loss"]) for r in rows if int(r["step"]) >= 15]
+    assert final(metrics(whole_dir)) == final(metrics(tmp_path / "split"))
+
+
+def test_checkpoint_resumes_on_another_mesh(data_dir, tmp_path, whole_runs):
+    """A step-10 checkpoint of 2 replicas × 1 shard continues on 1 replica × 2 shards. (Dion with
+    decoupled momenta follows the mean gradient exactly, so the run matches a 1 × 2 run to rounding.)"""
+    shutil.copytree(whole_runs(2, 1) / "checkpoints" / "step_000010", tmp_path / "checkpoints" / "step_000010")
+    output = train(data_dir, tmp_path, *DION, "--replicate", "1", "--shard", "2", "--resume")
+    assert "resume: loaded" in output and "(step 10)" in output
+    resumed = float(metrics(tmp_path)[-1]["val_loss"])
+    reference = float(metrics(whole_runs(1, 2))[-1]["val_loss"])
+    assert abs(resumed - reference) < 1e-3, (resumed, reference)
+
+
+KILL_RUN = ["--optimizer", "signmuon", "--steps", "40", "--checkpoint-every", "10", "--replicate", "2", "--shard", "2",
+            "--timeout", "30", "--check-replicas-every", "10"]
+
+
+def _kill_one_rank_after_checkpoint(data_dir, out_dir, *extra, max_restarts=0, bound=120):
+    """Start a 4-rank run, SIGKILL one worker once the step-10 checkpoint is complete; return
+    (torchrun's exit code, seconds from the kill to torchrun's exit, output)."""
+    import signal
+    import time
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+               "--max-restarts", str(max_restarts), str(TRAIN), "--data-dir", str(data_dir), "--out-dir",
+               str(out_dir), *TINY, *KILL_RUN, *extra]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        marker = Path(out_dir) / "checkpoints" / "step_000010" / ".metadata"
+        deadline = time.monotonic() + bound
+        while not marker.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.01)
+        assert marker.exists(), "the run never wrote its step-10 checkpoint"
+        workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+        assert len(workers) == 4, workers
+        os.kill(int(workers[1]), signal.SIGKILL)
+        killed_at = time.monotonic()
+        output, _ = process.communicate(timeout=bound)
+        return process.returncode, time.monotonic() - killed_at, output
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def whole_kill_run(data_dir, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("whole_2x2")
+    train(data_dir, out_dir, *KILL_RUN, nproc=4, timeout=300)
+    return out_dir
+
+
+def _same_final_checkpoint(whole_dir, out_dir, tmp_path):
+    whole = checkpoint_tensors(whole_dir / "checkpoints" / "step_000040", tmp_path / "whole.pt")
+    resumed = checkpoint_tensors(out_dir / "checkpoints" / "step_000040", tmp_path / "resumed.pt")
+    assert whole.keys() == resumed.keys()
+    assert not [key for key in whole if not torch.equal(whole[key], resumed[key])]
+
+
+def test_killed_rank_stops_the_job_and_resume_reaches_the_same_weights(data_dir, tmp_path, whole_kill_run):
+    code, seconds, output = _kill_one_rank_after_checkpoint(data_dir, tmp_path / "run")
+    assert code != 0, output[-2000:]
+    assert seconds < 60, f"the job took {seconds:.0f} s to stop after a rank died"
+    assert not (tmp_path / "run" / "checkpoints" / "step_000040").exists()
+    resumed = train(data_dir, tmp_path / "run", *KILL_RUN, "--resume", nproc=4, timeout=300)
+    assert "resume: loaded" in resumed
+    _same_final_checkpoint(whole_kill_run, tmp_path / "run", tmp_path)
+
+
+def test_torchrun_max_restarts_resumes_automatically(data_dir, tmp_path, whole_kill_run):
+    code, _, output = _kill_one_rank_after_checkpoint(data_dir, tmp_path / "run", "--resume", max_restarts=1)
+    assert code == 0, output[-3000:]
+    assert "resume: loaded" in output
+    _same_final_checkpoint(whole_kill_run, tmp_path / "run", tmp_path)
