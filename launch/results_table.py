@@ -44,6 +44,29 @@ def training_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def comm_table(rows: list[dict]) -> str:
+    """bench_comm.py's rows as one line per exchange, one column per replica count: the formula's
+    ratio to the fp32 all-reduce, and ✓ where a real run at that size counted the same bytes."""
+    replicas = sorted({int(r["replicas"]) for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    lines = ["| replicate-axis bytes vs fp32 all-reduce | " + " | ".join(f"{m} replicas" for m in replicas) + " |",
+             "|---|" + "---:|" * len(replicas)]
+    for mode in modes:
+        cells = []
+        for m in replicas:
+            formula = next(r for r in rows if r["mode"] == mode and int(r["replicas"]) == m and r["source"] == "formula")
+            measured = [r for r in rows if r["mode"] == mode and int(r["replicas"]) == m and r["source"] != "formula"]
+            ratio = float(formula["ratio_vs_fp32_allreduce"])
+            cell = f"1/{1 / ratio:.1f}" if ratio < 0.999 else f"{ratio:.2f}"
+            if formula.get("auto_format"):
+                cell += f" ({formula['auto_format']})"
+            if measured:
+                cell += " ✓" if all(r["measured_equals_formula"] == "True" for r in measured) else " ✗"
+            cells.append(cell)
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plain_table(rows: list[dict]) -> str:
     columns = list(rows[0]) if rows else []
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -57,7 +80,8 @@ def tables(paths: list[Path]) -> str:
         with path.open() as f:
             rows = list(csv.DictReader(f))
         shown = path.relative_to(ROOT).as_posix() if path.resolve().is_relative_to(ROOT) else path.as_posix()
-        render = training_table if rows and "final_val_loss" in rows[0] else plain_table
+        render = training_table if rows and "final_val_loss" in rows[0] else \
+            comm_table if rows and "ratio_vs_fp32_allreduce" in rows[0] else plain_table
         parts.append(f"<!-- {shown}: python launch/results_table.py {shown} -->\n{render(rows)}")
     return "\n\n".join(parts)
 
