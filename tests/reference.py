@@ -10,7 +10,7 @@ import torch
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Muon's quintic Newton–Schulz polar approximation, one matrix, float64."""
+    """DESIGN §2 quintic on one float64 matrix: wide orientation, Frobenius-normalized start."""
     a, b, c = 3.4445, -4.7750, 2.0315
     X = G.double()
     tall = X.shape[0] > X.shape[1]

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from reference import newton_schulz
 from shardopt.elementwise import adamw_update, lion_update
 from shardopt.lowrank import column_normalize, dion_rank, orthonormalize
 from shardopt.polar import polar
@@ -194,19 +195,6 @@ def test_dion_rank_formula(m, n, rank_fraction, multiple, expected):
 
 # ---- Newton–Schulz polar ------------------------------------------------------------------------
 
-def reference_newton_schulz(G, steps):
-    """DESIGN §2 quintic on one float64 matrix: wide orientation, Frobenius-normalized start."""
-    X = G.double()
-    transposed = X.shape[0] > X.shape[1]
-    if transposed:
-        X = X.T
-    X = X / (X.norm() + 1e-7)
-    for _ in range(steps):
-        gram = X @ X.T
-        X = A * X + (B * gram + C * gram @ gram) @ X
-    return X.T if transposed else X
-
-
 # Aspect ratio ≥ 4/3 (measured over 20 seeds: σ ∈ [0.6818, 1.1344]). For square and near-square
 # Gaussian matrices the claim is false: σ_min(G)/‖G‖_F is O(n^-1.5) and 5 quintic steps lift it by at
 # most ~3.4445⁵; measured σ_min after 5 steps: 8×8 0.470, 16×16 0.661, 32×32 0.027, 64×64 0.012,
@@ -248,7 +236,7 @@ def test_polar_square_well_conditioned_lies_in_0_6_to_quintic_maximum(n):
 @pytest.mark.parametrize("steps", [1, 5])
 def test_polar_float64_matches_reference_quintic(shape, steps):
     G = gaussian(*shape, seed=8)
-    assert torch.allclose(polar(G, steps, torch.float64), reference_newton_schulz(G, steps), rtol=0, atol=1e-12)
+    assert torch.allclose(polar(G, steps, torch.float64), newton_schulz(G, steps), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("shape", [(5, 24, 10), (5, 10, 24), (2, 3, 12, 12)])

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import shardopt
+from reference import newton_schulz
 
-NS_A, NS_B, NS_C = 3.4445, -4.7750, 2.0315
 
 
 def gaussian(*shape, seed):
@@ -79,6 +79,25 @@ class DionReference:
         return self.X
 
 
+def step_alongside(optimizer, params, references, steps, *, momentum_tolerance):
+    """Feed the optimizer and the references the same gradients; every update must agree to 1e-6
+    relative and every momentum to `momentum_tolerance`. Returns the worst update error."""
+    worst = 0.0
+    for step in range(steps):
+        before = [p.detach().clone() for p in params]
+        for i, p in enumerate(params):
+            p.grad = gaussian(*p.shape, seed=1000 * step + i)
+        optimizer.step()
+        for i, (p, reference) in enumerate(zip(params, references)):
+            ref_before = reference.X
+            ref_after = reference.step(p.grad.detach())
+            error = relative_error(p.detach() - before[i], ref_after - ref_before)
+            worst = max(worst, error)
+            assert error <= 1e-6, f"step {step}, param {i} {tuple(p.shape)}: relative error {error:.2e}"
+            assert relative_error(optimizer.state[p]["momentum"], reference.M) <= momentum_tolerance
+    return worst
+
+
 def per_param_seed(optimizer_seed, index):
     return (optimizer_seed * 1_000_003 + index) % 2**63
 
@@ -96,19 +115,7 @@ def run_dion_against_reference(shapes, steps, *, rank_fraction, rank_multiple_of
         r = reference_rank(m, n, rank_fraction, rank_multiple_of)
         references.append(DionReference(p.detach(), reference_q0(m, n, r, per_param_seed(seed, i)), lr=lr, mu=mu,
                                          weight_decay=weight_decay, epsilon=epsilon))
-    worst = 0.0
-    for step in range(steps):
-        before = [p.detach().clone() for p in params]
-        for i, p in enumerate(params):
-            p.grad = gaussian(*p.shape, seed=1000 * step + i)
-        optimizer.step()
-        for i, (p, reference) in enumerate(zip(params, references)):
-            ref_before = reference.X
-            ref_after = reference.step(p.grad.detach())
-            error = relative_error(p.detach() - before[i], ref_after - ref_before)
-            worst = max(worst, error)
-            assert error <= 1e-6, f"step {step}, param {i} {tuple(p.shape)}: relative error {error:.2e}"
-            assert relative_error(optimizer.state[p]["momentum"], reference.M) <= 1e-6
+    worst = step_alongside(optimizer, params, references, steps, momentum_tolerance=1e-6)
     for p, reference in zip(params, references):
         assert relative_error(p.detach(), reference.X) <= 1e-6
     return optimizer, params, worst
@@ -181,18 +188,6 @@ def test_dion_seed_changes_initial_q_and_param_index_separates_equal_shapes():
 
 # ---- Sign-Muon reference (DESIGN §2) ------------------------------------------------------------
 
-def newton_schulz(G, steps):
-    X = G.clone()
-    transposed = X.shape[0] > X.shape[1]
-    if transposed:
-        X = X.T
-    X = X / (X.norm() + 1e-7)
-    for _ in range(steps):
-        gram = X @ X.T
-        X = NS_A * X + (NS_B * gram + NS_C * gram @ gram) @ X
-    return X.T if transposed else X
-
-
 class SignMuonReference:
     """One matrix X (m×n) on one process: the majority vote over one replica is the sign itself."""
 
@@ -227,17 +222,7 @@ def test_signmuon_matches_float64_reference(nesterov, post_polar, lr_scale):
     params = [gaussian(*shape, seed=200 + i).requires_grad_() for i, shape in enumerate(SIGNMUON_SHAPES)]
     optimizer = shardopt.SignMuon(params, ns_dtype="float64", **options)
     references = [SignMuonReference(p.detach(), **options) for p in params]
-    for step in range(6):
-        before = [p.detach().clone() for p in params]
-        for i, p in enumerate(params):
-            p.grad = gaussian(*p.shape, seed=1000 * step + i)
-        optimizer.step()
-        for i, (p, reference) in enumerate(zip(params, references)):
-            ref_before = reference.X
-            ref_after = reference.step(p.grad.detach())
-            error = relative_error(p.detach() - before[i], ref_after - ref_before)
-            assert error <= 1e-6, f"step {step}, param {i} {tuple(p.shape)}: relative error {error:.2e}"
-            assert relative_error(optimizer.state[p]["momentum"], reference.M) <= 1e-12
+    step_alongside(optimizer, params, references, 6, momentum_tolerance=1e-12)
 
 
 @pytest.mark.parametrize("lr_scale, n", [("none", 10), ("unit_gain", 10), ("unit_gain", 25)])
