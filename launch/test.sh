@@ -4,4 +4,5 @@
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$SHARDOPT_ROOT"
+python integrations/data.py >/dev/null   # the example data set (fetched once into .cache/), which a test checks
 exec python -m pytest "$@"

@@ -356,10 +356,14 @@ def test_missing_deepspeed_gives_an_install_hint(monkeypatch):
 
 
 @pytest.mark.parametrize("config", ["dion_bf16", "signmuon_bf16", "signmuon_fp16", "adamw"])
-def test_train_script_runs_under_torchrun(config):
+def test_train_script_runs_under_torchrun(config, tmp_path):
+    """The GPT of integrations/model.py on a small byte corpus in the prepared layout."""
+    text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(500))
+    (tmp_path / "train.bin").write_bytes(text)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "integrations" / "deepspeed" / "train.py"),
+               str(ROOT / "integrations" / "deepspeed" / "train.py"), "--data-dir", str(tmp_path),
+               "--n-layer", "1", "--n-embd", "32", "--block-size", "16",
                "--deepspeed_config", str(ROOT / "integrations" / "deepspeed" / f"{config}.json"), "--steps", "5"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

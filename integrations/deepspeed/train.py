@@ -17,73 +17,38 @@ Each step prints the loss (mean over ranks) and the bytes this rank sent on the
 data-parallel axis in that step: counted by shardopt's communication layer, or,
 for the baseline, the fp32-equivalent ring all-reduce volume 2·(M−1)/M · 4·params.
 
-The model and the data are two functions below (`make_model`, `get_batch`): a
-next-token MLP over a short context, on a synthetic token stream drawn from a fixed
-random table, the same on every run and different on every rank.
+The model and the data are those of the FSDP2 entry point (integrations/model.py, a small
+nanoGPT-style GPT; integrations/data.py, Shakespeare's plays as bytes — prepare them once with
+`python integrations/data.py`); each rank reads its own batches, drawn from (seed, step, rank).
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn import functional as F
 
 import shardopt.deepspeed
 from shardopt.comm import collective_bytes
 
-VOCAB, CONTEXT = 64, 4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: model.py, data.py
+import data  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
 
-# ---- model ---------------------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width, bias=False)
-        self.down = nn.Linear(4 * width, width, bias=False)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+def make_model(args) -> GPT:
+    torch.manual_seed(args.seed)   # the same initial weights on every rank
+    return GPT(GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
 
 
-class TinyLM(nn.Module):
-    """Embed the last CONTEXT tokens, concatenate, project, a few MLP blocks, predict the next token.
-    shardopt.param_groups puts in_proj and the blocks' up/down in the matrix group, and the
-    embedding, norms and lm_head in the AdamW group."""
-
-    def __init__(self, width: int = 128, depth: int = 2):
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, width // CONTEXT)
-        self.in_proj = nn.Linear(width, width, bias=False)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.norm = nn.LayerNorm(width)
-        self.lm_head = nn.Linear(width, VOCAB, bias=False)
-
-    def forward(self, context):                       # (batch, CONTEXT) token ids
-        x = self.in_proj(self.wte(context).flatten(1))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.norm(x))             # (batch, VOCAB) logits
-
-
-def make_model(args) -> nn.Module:
-    torch.manual_seed(args.seed)
-    return TinyLM()
-
-
-# ---- data ----------------------------------------------------------------------------------------
-def get_batch(args, step: int, micro: int, batch_size: int, device):
-    """(context, target) for this rank: 90% of the time the target is the last context token mapped
-    through a fixed random table, else a random token (the loss floor is about 0.74 nats)."""
-    table = torch.randint(VOCAB, (VOCAB,), generator=torch.Generator().manual_seed(args.seed))
-    generator = torch.Generator().manual_seed(((args.seed * 100_003 + step) * 1_009 + micro) * 1_009 + dist.get_rank())
-    context = torch.randint(VOCAB, (batch_size, CONTEXT), generator=generator)
-    noise = torch.randint(VOCAB, (batch_size,), generator=generator)
-    target = torch.where(torch.rand(batch_size, generator=generator) < 0.9, table[context[:, -1]], noise)
-    return context.to(device), target.to(device)
+def get_batch(args, tokens, step: int, micro: int, micro_batches: int, batch_size: int, device):
+    """(x, y) for this rank's micro-batch `micro` of optimizer step `step`."""
+    x, y = data.get_batch(tokens, batch_size, args.block_size, args.seed, (step - 1) * micro_batches + micro,
+                          dist.get_rank())
+    return x.to(device), y.to(device)
 
 
 # ---- training ------------------------------------------------------------------------------------
@@ -91,10 +56,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=64, help="context length")
+    parser.add_argument("--data-dir", type=Path, default=data.default_cache() / "shakespeare")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)   # --deepspeed_config
     args = parser.parse_args()
 
+    tokens = data.load(args.data_dir, "train")
     model = make_model(args)
     engine, *_ = shardopt.deepspeed.initialize(args=args, model=model)   # engine, optimizer, loader, scheduler
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -112,8 +83,8 @@ def main():
     for step in range(1, args.steps + 1):
         loss_sum = torch.zeros((), device=engine.device)
         for micro in range(micro_batches):
-            context, target = get_batch(args, step, micro, batch_size, engine.device)
-            loss = F.cross_entropy(engine(context).float(), target)
+            x, y = get_batch(args, tokens, step, micro, micro_batches, batch_size, engine.device)
+            _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach() / micro_batches
