@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from .placement import local
 
@@ -28,8 +28,8 @@ FORMAT = "shardopt-optimizer-state/1"
 
 
 def _digest(tensor: torch.Tensor) -> str:
-    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+    """SHA-256 of the tensor's safetensors encoding (dtype, shape and bytes; no numpy needed)."""
+    return hashlib.sha256(save({"tensor": tensor.detach().cpu().contiguous()})).hexdigest()
 
 
 def _hyperparameters(optimizer) -> list[dict]:
