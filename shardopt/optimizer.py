@@ -145,19 +145,17 @@ class ShardOptimizer(torch.optim.Optimizer):
             if not params:
                 continue
             if group["algorithm"] in MATRIX_ALGORITHMS:
-                for layout, bucket in self._buckets(params).items():
+                for (layout, _, _), bucket in self._buckets(params).items():
                     yield self._matrix_step(bucket, group, layout)
             else:
                 yield self._scalar_step(params, group)
 
     def _buckets(self, params) -> dict:
-        """Same layout, dtype and device → one bucket, in parameter order."""
+        """(layout, dtype, device) → the params that share them (one bucket), in parameter order."""
         buckets: dict = {}
         for param in params:
-            layout = matrix_layout(param)
-            key = (layout, param.dtype, param.device)
-            buckets.setdefault(key, []).append(param)
-        return {key[0]: bucket for key, bucket in buckets.items()}
+            buckets.setdefault((matrix_layout(param), param.dtype, param.device), []).append(param)
+        return buckets
 
     def _states(self, params, init) -> list[dict]:
         states = []

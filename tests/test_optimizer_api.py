@@ -377,3 +377,16 @@ def test_bf16_params_keep_bf16_state_and_finite_updates(algorithm, scalar_algori
             if key != "step":
                 assert value.dtype == torch.bfloat16, (name, key)
                 assert torch.isfinite(value).all(), (name, key)
+
+
+def test_same_shape_matrices_of_different_dtypes_are_all_updated():
+    """Buckets are keyed by layout, dtype and device: a float32 and a float64 matrix of one shape
+    both get their update (neither bucket replaces the other)."""
+    a = torch.nn.Parameter(torch.randn(6, 4))
+    b = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    before = [a.detach().clone(), b.detach().clone()]
+    optimizer = shardopt.Dion([a, b], lr=0.1)
+    a.grad, b.grad = torch.randn(6, 4), torch.randn(6, 4, dtype=torch.float64)
+    optimizer.step()
+    assert not torch.equal(a, before[0]) and not torch.equal(b, before[1])
+    assert set(optimizer.state[a]) == set(optimizer.state[b]) == {"momentum", "Q", "step"}
