@@ -164,21 +164,15 @@ OPTIMIZERS = {"dion": DeepSpeedDion, "signmuon": DeepSpeedSignMuon}
 class _AgreedOverflowCheck:
     """Stands in for the fp16/bf16 wrapper's overflow check. The wrapper skips a step when that check
     says so, or when its gradient norm is not finite; with local gradients the norm is local, so this
-    check covers both (Σ‖g‖² in fp32 is finite iff every element is finite and the norm does not
-    overflow) and takes the max over the replicas: every replica skips, or none does."""
+    check asks the optimizer's own agreed non-finite test (a NaN/inf element or an overflowing norm on
+    any replica): every replica skips, or none does."""
 
     def __init__(self, params, optimizer: ShardOptimizer):
         self.params = list(params)
-        self.replicate = optimizer.replicate
+        self.optimizer = optimizer
 
     def check(self, param_groups=None) -> bool:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads:
-            squares = torch.stack([g.detach().float().norm() ** 2 for g in grads]).sum()
-            bad = (~torch.isfinite(squares)).float().reshape(1)
-        else:
-            bad = torch.zeros(1, device=self.params[0].device)
-        return bool(self.replicate.all_reduce(bad, "max").item())   # the decision: one device sync
+        return self.optimizer.nonfinite_anywhere([p.grad for p in self.params if p.grad is not None])
 
 
 # ---- initialize -------------------------------------------------------------------------------------

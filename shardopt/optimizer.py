@@ -116,16 +116,23 @@ class ShardOptimizer(torch.optim.Optimizer):
         overlap(self._bucket_steps(), depth=self.overlap_depth)
         return loss
 
-    def _nonfinite_gradients(self) -> bool:
-        """True (on every rank) when any rank has a NaN/inf gradient: then the step is skipped or raises."""
-        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:
-            return False
-        bad = torch.stack([~torch.isfinite(norm) for norm in torch._foreach_norm(grads)])
-        flag = bad.any().to(torch.float32).reshape(1)
+    def nonfinite_anywhere(self, grads: list[torch.Tensor]) -> bool:
+        """True, on every rank alike, when any rank of either axis has a NaN/inf in its local `grads`
+        (or a gradient norm that overflows its dtype). One all-reduce of one float per axis and one
+        device sync: every rank must take the same branch."""
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads)).float()
+            flag = (~torch.isfinite(norms)).any().float().reshape(1)
+        else:
+            flag = torch.zeros(1, device=local(self.param_groups[0]["params"][0]).device)
         self.replicate.all_reduce(flag, "max")
         self.shard.all_reduce(flag, "max")
-        if not bool(flag.item()):   # the device sync: every rank must take the same branch
+        return bool(flag.item())
+
+    def _nonfinite_gradients(self) -> bool:
+        """True when the step must be skipped (nonfinite="skip"); raises for nonfinite="raise"."""
+        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not self.nonfinite_anywhere(grads):
             return False
         local_bad = [self._param_label[p] for group in self.param_groups for p in group["params"]
                      if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
