@@ -28,7 +28,7 @@ FORMAT = "shardopt-optimizer-state/1"
 
 
 def _digest(tensor: torch.Tensor) -> str:
-    """SHA-256 of the tensor's safetensors encoding (dtype, shape and bytes; no numpy needed)."""
+    """SHA-256 of the tensor's safetensors encoding (its dtype, shape and bytes)."""
     return hashlib.sha256(save({"tensor": tensor.detach().cpu().contiguous()})).hexdigest()
 
 
