@@ -13,10 +13,10 @@ import zlib
 
 import torch
 
-from . import dion, scalar, signmuon
+from . import dion, scalar, signmuon, traffic
 from .comm import Axis
 from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names, validate_group
-from .placement import derive_meshes, local, matrix_layout
+from .placement import derive_meshes, local, matrix_buckets
 from .schedule import complete, overlap
 
 logger = logging.getLogger("shardopt")
@@ -163,11 +163,7 @@ class ShardOptimizer(torch.optim.Optimizer):
                 yield self._scalar_step(params, group)
 
     def _buckets(self, params) -> dict:
-        """(layout, dtype, device) → the params that share them (one bucket), in parameter order."""
-        buckets: dict = {}
-        for param in params:
-            buckets.setdefault((matrix_layout(param), param.dtype, param.device), []).append(param)
-        return buckets
+        return matrix_buckets(params)
 
     def _states(self, params, init) -> list[dict]:
         states = []
@@ -198,6 +194,19 @@ class ShardOptimizer(torch.optim.Optimizer):
     def _step_seed(self, first_param, first_state) -> int:
         """The seed of one bucket's coins at this step: equal on every rank, new every step."""
         return (self._seed(first_param) * 1_000_003 + int(first_state["step"])) % 2**63
+
+    # ---- traffic ------------------------------------------------------------------------------
+    def replicate_bytes_per_step(self, replicas: int | None = None) -> list[int]:
+        """Bytes this rank sends on the replicate axis per step, per param group, at `replicas`
+        replicas (default: this optimizer's replicate axis); see traffic.py. The step's non-finite
+        check (`traffic.nonfinite_check_bytes`) comes on top, once per step."""
+        replicas = self.replicate.size if replicas is None else replicas
+        return [traffic.group_bytes(group, replicas) for group in self.param_groups]
+
+    def describe(self, replicas: int | None = None) -> str:
+        """One line per param group with its replicate-axis bytes per step, and the whole model
+        against a float32 all-reduce of every parameter (traffic.describe)."""
+        return traffic.describe(self.param_groups, self.replicate.size if replicas is None else replicas)
 
     # ---- distributed helpers ------------------------------------------------------------------
     def comm_stats(self) -> dict:
