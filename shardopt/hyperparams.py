@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -19,6 +20,7 @@ NS_DTYPES = ("float32", "float64", "bfloat16", "float16")
 DEFAULTS = {
     "lr": 0.01,
     "weight_decay": 0.0,
+    "maximize": False,   # every algorithm: step along +gradient (torch.optim's maximize)
     "betas": (0.9, 0.95),
     "epsilon": 1e-8,
     # Dion
@@ -56,8 +58,8 @@ def _number(group, key, index, low, high, low_open=False, high_open=True):
     value = group[key]
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"Invalid {key}: {value!r} ({_where(index)}); {key} must be a real number")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"Invalid {key}: {value!r} ({_where(index)}); {key} must be a real number (not NaN)")
     below = value <= low if low_open else value < low
     above = value >= high if high_open else value > high
     if below or above:
@@ -108,6 +110,7 @@ def validate_group(group: dict, index: int) -> None:
     }
     for key in KEYS[algorithm]:
         checks[key]()
+    _flag(group, "maximize", index)
 
 
 def _betas(group, index):
@@ -115,5 +118,5 @@ def _betas(group, index):
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"Invalid betas: {betas!r} ({_where(index)}); betas must be a pair (beta1, beta2)")
     for i, beta in enumerate(betas):
-        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= beta < 1.0:
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= beta < 1.0:   # (NaN fails)
             raise ValueError(f"Invalid betas[{i}]: {beta!r} ({_where(index)}); each beta must be in [0.0, 1.0)")
