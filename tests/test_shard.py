@@ -190,6 +190,48 @@ def test_hsdp_comm_stats_equal_design_formulas(pool4):
 
 
 # ---- DCP: save at 4 ranks, load at 2 and 1 ----------------------------------------------------
+def _clip_on_2x2(max_norm):
+    """Dion on 2 replicas × 2 shards with max_grad_norm: the agreed norm ν = mean over replicas of
+    √(Σ_shards ‖g‖²), each rank's local gradients scaled by min(1, max_norm/(ν+1e-6)), the bytes."""
+    mesh = _mesh(2, 2)
+    _, params, _ = _sharded_matrices(mesh, SHAPES)
+    opt = shardopt.Dion(params, rank_fraction=0.25, replicate_mesh=mesh["replicate"], max_grad_norm=max_norm, seed=3)
+    replica = mesh.get_local_rank("replicate")
+    _set_local_grads(params, replica, 0)
+    for param in params:           # replica 1's gradient 3× larger: the replicas' own norms differ
+        param.grad.to_local().mul_(1 + 2 * replica)
+    replica_norms = [(1 + 2 * r) * math.sqrt(sum(float(_replica_gradient(r, 0, i, p.shape).norm()) ** 2
+                                                 for i, p in enumerate(params))) for r in range(2)]
+    expected = sum(replica_norms) / 2
+    factor = min(1.0, max_norm / (expected + 1e-6))
+    opt.reset_comm_stats()
+    norm = opt.clip_grad_norm_(max_norm)
+    stats = opt.comm_stats()
+    errors = []
+    for index, param in enumerate(params):
+        layout = shardopt.placement.matrix_layout(param)
+        rows = (1 + 2 * replica) * _replica_gradient(replica, 0, index, param.shape)[layout.row_start:layout.row_start + layout.rows]
+        errors.append(max((param.grad.to_local() - rows * factor).abs().flatten().tolist(), default=0.0))
+    for step in range(1, 4):       # clipped steps keep the replicas bit-identical
+        _set_local_grads(params, replica, step)
+        opt.step()
+    return (norm.item(), expected, replica_norms, max(errors), stats["replicate"]["bytes_sent"],
+            stats["shard"]["bytes_sent"], opt.replicas_consistent(), opt.last_grad_norm.item())
+
+
+def test_clip_uses_one_norm_agreed_over_replicas_and_shards(pool4):
+    results = pool4.run(_clip_on_2x2, 5.0)
+    norm, expected, replica_norms, _, _, _, _, _ = results[0]
+    assert replica_norms[1] > 2 * replica_norms[0]   # a local clip would scale the replicas differently
+    assert expected > 5.0                                              # so the clip is active
+    assert len({r[0] for r in results}) == 1 and len({r[7] for r in results}) == 1   # bitwise the same on every rank
+    assert abs(norm - expected) <= 1e-6 * expected
+    for _, _, _, error, replicate_bytes, shard_bytes, consistent, _ in results:
+        assert error <= 1e-6
+        assert replicate_bytes == collective_bytes("all_reduce", 4, 2) and shard_bytes == collective_bytes("all_reduce", 4, 2)
+        assert consistent
+
+
 def _mlp_step(model, opt, step, world):
     generator = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(8, 12, generator=generator, dtype=torch.float64)
