@@ -1,7 +1,7 @@
 """Shard axis: FSDP2 / DTensor parameters, HSDP with a compressed replicate axis, DCP checkpoints.
 
 Every case runs on a gloo worker pool and is checked against the float64
-references in tests/reference.py written from DESIGN.md's equations.
+references in tests/reference.py written from docs/design.md's equations.
 """
 
 import math
@@ -162,7 +162,7 @@ def test_fsdp_signmuon_uneven_and_empty_shards_match_reference(pool4, orthogonal
 
 
 def _dion_hsdp_bytes(rank_fraction, wire_itemsize):
-    """DESIGN §1 byte formulas per rank and axis for one step of _run_dion's matrices at 2×2, fp64
+    """docs/design.md §1 byte formulas per rank and axis for one step of _run_dion's matrices at 2×2, fp64
     (P reduce-scattered in fp64, averaged over replicas and all-gathered in the wire dtype), plus the
     non-finite check: one all-reduce of one float32 per axis."""
     F = M = 2
