@@ -226,3 +226,39 @@ def test_state_keys_table_matches_what_a_step_creates(algorithm):
     """load_state_dict checks against STATE_KEYS: it must list exactly the state each algorithm keeps."""
     opt, params = stepped(algorithm)
     assert all(set(opt.state[p]) == set(STATE_KEYS[algorithm]) | {"step"} for p in params)
+
+
+# ---- no host reads added to a step --------------------------------------------------------------------
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
+
+
+def _reads_in_one_step(monkeypatch, algorithm, *, check, **options) -> int:
+    """How many times a step reads a tensor value back to the host (each would be a device sync on CUDA)."""
+    import shardopt.optimizer as optimizer_module
+    opt, params = build(algorithm, **options)
+    set_grads(params, 0)
+    opt.step()                                   # state created: count a steady-state step
+    set_grads(params, 1)
+    if not check:
+        monkeypatch.setattr(optimizer_module, "check_gradients", lambda labeled: None)
+    count = [0]
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    opt.step()
+    monkeypatch.undo()
+    return count[0]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_gradient_checks_and_clipping_add_no_host_reads_to_a_step(monkeypatch, algorithm):
+    """The step-time gradient checks read metadata only and max_grad_norm keeps its factor on the
+    device: a step reads back exactly as many values as one without either."""
+    baseline = _reads_in_one_step(monkeypatch, algorithm, check=False)
+    assert baseline >= 1                         # (the non-finite decision, which does need one)
+    assert _reads_in_one_step(monkeypatch, algorithm, check=True) == baseline
+    assert _reads_in_one_step(monkeypatch, algorithm, check=True, max_grad_norm=0.5) == baseline
