@@ -116,6 +116,31 @@ def test_help_lists_the_everyday_options():
         assert option in done.stdout, option
 
 
+@pytest.mark.parametrize("option, value", [("--grad-accum", "0"), ("--clip", "-1")])
+def test_bad_accumulation_or_clip_is_a_clear_error(data_dir, option, value):
+    command = [sys.executable, str(TRAIN), "--data-dir", str(data_dir), option, value]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode != 0 and f"{option} {int(value) if option == '--grad-accum' else float(value)}" in done.stderr
+
+
+def test_overlay_plot_of_several_runs(tmp_path):
+    """integrations/plot.py (the demo's compare.png): one figure from several runs' metrics.csv."""
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install -e '.[train]')")
+    runs = []
+    for name, bytes_per_step in (("adamw", 1000), ("signmuon", 100)):
+        run = tmp_path / name
+        run.mkdir()
+        lines = ["step,train_loss,val_loss,replicate_bytes"] + [
+            f"{step},{3 - step / 20},{'' if step % 10 else 3.1 - step / 20},{step * bytes_per_step}" for step in range(0, 21, 5)]
+        (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+        runs.append(str(run))
+    out = tmp_path / "compare.png"
+    done = subprocess.run([sys.executable, str(ROOT / "integrations" / "plot.py"), *runs, "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def tensorboard_scalars(log_dir) -> dict:
     """tag → [(step, value)] of every scalar in a TensorBoard log directory."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
