@@ -317,6 +317,14 @@ def _bad_input(case):
             shardopt.Dion([p, torch.nn.Parameter(torch.randn(4, 4))])
         elif case == "shard_mesh_plain":
             shardopt.Dion([torch.nn.Parameter(full)], shard_mesh=mesh["shard"])
+        elif case in ("plain_grad", "replicated_grad"):   # a step's gradient placed unlike its param
+            p = torch.nn.Parameter(distribute_tensor(full, mesh["shard"], [Shard(0)]))
+            opt = shardopt.Dion([p], replicate_mesh=mesh["replicate"])
+            grad = distribute_tensor(torch.ones(8, 4), mesh["shard"], [Replicate()])
+            if case == "plain_grad":
+                grad = torch.ones(8, 4)
+            p.grad = grad
+            opt.step()
         elif case == "param_lists_differ":
             params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(2 + (dist.get_rank() == 1))]
             shardopt.Dion(params, replicate_mesh=dist.group.WORLD, agreement_timeout_s=10)
@@ -331,6 +339,8 @@ def _bad_input(case):
     ("strided_shard", "_StridedShard"),
     ("mixed_plain", "mix plain tensors .* with DTensors"),
     ("shard_mesh_plain", "shard_mesh was given but no parameter is a DTensor"),
+    ("plain_grad", "param #0 of param group 0 is a DTensor but its gradient is a plain tensor"),
+    ("replicated_grad", r"param #0 of param group 0 is placed \(Shard\(dim=0\),\) but its gradient \(Replicate\(\),\)"),
     ("param_lists_differ", "disagree on the number of params \\(rank 0: 2, rank 1: 3"),
 ])
 def test_bad_sharding_raises_clear_error_on_every_rank(pool4, case, message):
