@@ -62,8 +62,8 @@ def _where(index: int) -> str:
 
 def _number(group, key, index, low, high, low_open=False, high_open=True):
     value = group[key]
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
+    if isinstance(value, torch.Tensor):   # torch.optim's capturable pattern; shardopt steps are not graph-captured
+        raise ValueError(f"Invalid {key}: a tensor ({_where(index)}); pass a Python float, e.g. {key}={key}.item()")
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
         raise ValueError(f"Invalid {key}: {value!r} ({_where(index)}); {key} must be a real number (not NaN)")
     below = value <= low if low_open else value < low
