@@ -19,7 +19,7 @@ the baselines differ only in the optimizer of the 2-D weights:
 
 All replicate-axis traffic goes through shardopt, so opt.comm_stats() counts every run's
 bytes the same way. Every rank reads its own batches, drawn from (seed, step, rank) alone,
-so `--resume` continues from the latest checkpoint (DCP, model + optimizer) on the same
+so `--resume` continues from the latest checkpoint (DCP: model, optimizer, lr scheduler) on the same
 trajectory as an uninterrupted run; a checkpoint also resumes on another --replicate × --shard
 (DCP reshards it). Written to --out-dir: metrics.csv (one row per log
 step), loss.png (if matplotlib is installed: pip install -e '.[train]'), summary.json and
@@ -29,8 +29,7 @@ tensorboard/ with --tensorboard.
 Everyday options: --bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 weights, gradients and
 optimizer state), --grad-accum N (N micro-batches per step; FSDP2 reduce-scatters on the last one
 only), --clip MAX (the optimizer's max_grad_norm: every rank scales its gradients by the same
-factor, from a norm agreed over replicas and shards, so the replicas stay bit-identical). The lr
-schedule is a torch.optim.lr_scheduler.LambdaLR (linear warm-up, cosine to 10%) saved in every
+factor, from a norm agreed over replicas and shards; docs/design.md §5). The lr schedule is a torch.optim.lr_scheduler.LambdaLR (linear warm-up, cosine to 10%) saved in every
 checkpoint.
 """
 
