@@ -207,7 +207,7 @@ def test_checkpoint_resumes_on_another_mesh(data_dir, tmp_path, whole_runs):
     decoupled momenta follows the mean gradient exactly, so the run matches a 1 × 2 run to rounding.)"""
     shutil.copytree(whole_runs(2, 1) / "checkpoints" / "step_000010", tmp_path / "checkpoints" / "step_000010")
     output = train(data_dir, tmp_path, *DION, "--replicate", "1", "--shard", "2", "--resume")
-    assert "resume: loaded" in output and "(step 10)" in output
+    assert "resume: loaded" in output and "(step 10, lr scheduler at step 10)" in output
     resumed = float(metrics(tmp_path)[-1]["val_loss"])
     reference = float(metrics(whole_runs(1, 2))[-1]["val_loss"])
     assert abs(resumed - reference) < 1e-3, (resumed, reference)
