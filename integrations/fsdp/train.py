@@ -49,7 +49,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from tqdm import tqdm
+
+try:
+    from tqdm import tqdm
+except ImportError as error:
+    raise SystemExit(f"train.py needs the 'train' extra ({error}): pip install -e '.[train]'") from error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: model.py, data.py
 import data  # noqa: E402
