@@ -7,7 +7,8 @@
 # same small GPT (4 layers, width 128, context 64) with AdamW, Dion (rank 1/4) and Sign-Muon on a
 # mesh of 2 replicas × 2 FSDP2 shards: FSDP2 inside a replica, the optimizer's own compressed
 # exchange between replicas. Prints a table (final val loss, replicate-axis bytes per step, wall
-# time) and writes it to results/demo.csv; the runs' metrics, plots and logs go to runs/demo/.
+# time) and writes it to results/demo.csv; the runs' metrics, plots and logs go to runs/demo/, with
+# runs/demo/compare.png overlaying all optimizers (val loss vs step and vs replicate-axis bytes).
 # Override the size with e.g. STEPS=100 REPLICATE=4 SHARD=1 bash launch/demo.sh.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
@@ -30,6 +31,8 @@ for optimizer in adamw dion signmuon; do
         --steps "$STEPS" --out-dir "$runs/$optimizer" --summary-csv "$runs/summary.csv"
 done
 
+python integrations/plot.py "$runs/adamw" "$runs/dion" "$runs/signmuon" --out "$runs/compare.png" \
+    --title "$STEPS steps, $REPLICATE replicas × $SHARD shards"
 mkdir -p results
 cp "$runs/summary.csv" results/demo.csv
 echo

@@ -53,7 +53,7 @@ plugin changes in the engine, and why:
   replicas) skips the step on every rank and sets `optimizer.overflow`, which the engine reads:
   engine.skipped_steps counts it and the LR scheduler does not advance, as under fp16.
 - Checkpoints: `engine.save_checkpoint` first averages the replicas' decoupled
-  momenta (DESIGN §6), so the one optimizer state DeepSpeed writes (data-parallel
+  momenta (docs/design.md §6), so the one optimizer state DeepSpeed writes (data-parallel
   rank 0) holds for every replica; the saving run and a run resumed from the
   checkpoint continue on the same trajectory.
 
@@ -126,15 +126,7 @@ class _EngineSide:
 
     def _clip_local_gradients(self) -> None:
         """g ← g · min(1, max_norm / (ν + 1e-6)), ν = mean over replicas of ‖g_local‖₂ (no host sync)."""
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:
-            return
-        local_norm = torch.stack([g.detach().float().norm() for g in grads]).norm().reshape(1)
-        norm = self.replicate.all_reduce(local_norm, "mean")
-        factor = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(factor.to(grad.dtype))
-        self._global_grad_norm = norm[0]
+        self._global_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
 
     def _adopt_master_copies(self, model_params, master_params) -> None:
         """DeepSpeed's fp16/bf16 wrapper swaps each param in the groups for an fp32 master copy (same

@@ -1,4 +1,4 @@
-"""Dion: low-rank power iteration with error feedback (DESIGN §1).
+"""Dion: low-rank power iteration with error feedback (docs/design.md §1).
 
 For a stack of k same-shape matrices, in the orientation B (a×b) where the
 shard axis splits b (see `MatrixLayout.transpose`), with local rows b_i:

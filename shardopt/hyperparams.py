@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -21,6 +22,7 @@ DTYPE_KEYS = ("ns_dtype", "wire_dtype")   # accept a torch.dtype or its name; th
 DEFAULTS = {
     "lr": 0.01,
     "weight_decay": 0.0,
+    "maximize": False,   # every algorithm: step along +gradient (torch.optim's maximize)
     "betas": (0.9, 0.95),
     "epsilon": 1e-8,
     # Dion
@@ -50,6 +52,7 @@ KEYS = {
     "adamw": ("lr", "weight_decay", "betas", "epsilon"),
     "lion": ("lr", "weight_decay", "betas", "vote"),
 }
+COMMON_KEYS = ("maximize",)   # read by every algorithm
 HINTS = {("adamw", "vote"): "; for a 1-bit vote of the non-matrix parameters use algorithm 'lion'"}
 
 
@@ -59,10 +62,10 @@ def _where(index: int) -> str:
 
 def _number(group, key, index, low, high, low_open=False, high_open=True):
     value = group[key]
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"Invalid {key}: {value!r} ({_where(index)}); {key} must be a real number")
+    if isinstance(value, torch.Tensor):   # torch.optim's capturable pattern; shardopt steps are not graph-captured
+        raise ValueError(f"Invalid {key}: a tensor ({_where(index)}); pass a Python float, e.g. {key}={key}.item()")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"Invalid {key}: {value!r} ({_where(index)}); {key} must be a real number (not NaN)")
     below = value <= low if low_open else value < low
     above = value >= high if high_open else value > high
     if below or above:
@@ -103,7 +106,7 @@ def validate_group(group: dict, index: int, explicit_keys=()) -> None:
         raise ValueError(f"Invalid algorithm: {algorithm!r} ({_where(index)}); allowed: "
                          f"{', '.join(map(repr, ALGORITHMS))}")
     for key in explicit_keys:
-        if key in DEFAULTS and key not in KEYS[algorithm]:
+        if key in DEFAULTS and key not in KEYS[algorithm] + COMMON_KEYS:
             readers = [name for name, keys in KEYS.items() if key in keys]
             raise ValueError(f"Invalid {key} in {_where(index)} (algorithm {algorithm!r}): only "
                              f"{', '.join(map(repr, readers))} groups read {key}; remove it from this group"
@@ -126,9 +129,10 @@ def validate_group(group: dict, index: int, explicit_keys=()) -> None:
         "wire_dtype": lambda: _choice(group, "wire_dtype", index, WIRE_DTYPES),
         "nesterov": lambda: _flag(group, "nesterov", index),
         "post_polar": lambda: _flag(group, "post_polar", index),
+        "maximize": lambda: _flag(group, "maximize", index),
         "betas": lambda: _betas(group, index),
     }
-    for key in KEYS[algorithm]:
+    for key in KEYS[algorithm] + COMMON_KEYS:
         checks[key]()
 
 
@@ -137,5 +141,5 @@ def _betas(group, index):
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"Invalid betas: {betas!r} ({_where(index)}); betas must be a pair (beta1, beta2)")
     for i, beta in enumerate(betas):
-        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= beta < 1.0:
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= beta < 1.0:   # (NaN fails)
             raise ValueError(f"Invalid betas[{i}]: {beta!r} ({_where(index)}); each beta must be in [0.0, 1.0)")

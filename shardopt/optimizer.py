@@ -14,15 +14,19 @@ import zlib
 import torch
 
 from . import dion, scalar, signmuon, traffic
+from .checks import check_gradients, check_group_keys, check_options, check_state_dict
+from .clipping import clip_grad_norm_
 from .comm import Axis
 from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names, validate_group
 from .placement import derive_meshes, local, matrix_buckets
 from .schedule import complete, overlap
 
 logger = logging.getLogger("shardopt")
-NONFINITE = ("skip", "raise")
 MATRIX_STEPS = {"dion": dion.step, "signmuon": signmuon.step, "muon": signmuon.muon_step}
 MATRIX_INIT = {"dion": dion.init_state, "signmuon": signmuon.init_state, "muon": signmuon.init_state}
+# The tensors of each algorithm's per-param state (besides "step"); load_state_dict checks against it.
+STATE_KEYS = {"dion": ("momentum", "Q"), "signmuon": ("momentum",), "muon": ("momentum",),
+              "adamw": ("exp_avg", "exp_avg_sq"), "lion": ("exp_avg",)}
 # the state each replica keeps for itself (averaged by synchronize_for_checkpoint)
 DECOUPLED_MOMENTUM = {"dion": "momentum", "signmuon": "momentum", "muon": "momentum", "lion": "exp_avg"}
 
@@ -41,21 +45,31 @@ class ShardOptimizer(torch.optim.Optimizer):
         skipped on every rank, no state changes (momenta, Q, step counts), `skipped_steps` counts
         it and a warning is logged. "raise": FloatingPointError on every rank, state untouched.
         The check is one all-reduce of one float per axis and one device sync per step.
+    max_grad_norm: clip the gradients before the step, g ← g·min(1, max_grad_norm/(ν + 1e-6)), with ν
+        agreed by all ranks (see `clip_grad_norm_`), so every replica and shard applies the same factor.
+        0 (default): no clipping. Costs one all-reduce of one float per axis, no device sync.
+    maximize: step along +gradient (torch.optim's maximize), for every algorithm; a group default.
+    foreach, fused, capturable, differentiable: torch.optim options shardopt refuses with a
+        TypeError that says what it does instead (None, the default, is accepted).
     """
 
     matrix_algorithm = "dion"
     overlap_depth = 2   # bucket steps in flight: one bucket's collective overlaps the next one's compute
 
     def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
-                 agreement_timeout_s: float = 60.0, nonfinite: str = "skip"):
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"Invalid nonfinite: {nonfinite!r}; allowed: {', '.join(map(repr, NONFINITE))}")
+                 agreement_timeout_s: float = 60.0, nonfinite: str = "skip", max_grad_norm: float = 0.0,
+                 maximize: bool = False, foreach=None, fused=None, capturable=None, differentiable=None):
+        check_options(seed=seed, agreement_timeout_s=agreement_timeout_s, nonfinite=nonfinite,
+                      max_grad_norm=max_grad_norm, maximize=maximize, foreach=foreach, fused=fused,
+                      capturable=capturable, differentiable=differentiable)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.seed = int(seed)
+        self.max_norm = float(max_grad_norm)   # (the DeepSpeed plugin keeps its own max_grad_norm)
+        self.last_grad_norm = None             # ν of the last clipped step (a 0-d tensor), for logging
         self._param_index: dict[torch.Tensor, int] = {}
         self._param_label: dict[torch.Tensor, str] = {}
-        super().__init__(params, {**DEFAULTS, **defaults})
+        super().__init__(params, {**DEFAULTS, **defaults, "maximize": maximize})
         labeled = list(self._param_label.items())
         replicate_mesh, shard_mesh = derive_meshes(labeled, replicate_mesh, shard_mesh)
         self.replicate = Axis("replicate", replicate_mesh)
@@ -73,6 +87,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         names = group.get("param_names") or [None] * len(group["params"])
         labels = [f"{name!r}" if name else f"#{position} of param group {index}" for position, name in enumerate(names)]
         try:
+            check_group_keys(group, index, DEFAULTS)
             normalize_dtype_names(group)
             validate_group(group, index, explicit_keys)
             for param, label in zip(group["params"], labels):
@@ -85,7 +100,7 @@ class ShardOptimizer(torch.optim.Optimizer):
                                      f"group but is not 2-D; put it in an 'adamw' or 'lion' group "
                                      f"(shardopt.param_groups(model) does this)")
         except ValueError:
-            self.param_groups.pop()   # a rejected group leaves nothing behind (DESIGN §7)
+            self.param_groups.pop()   # a rejected group leaves nothing behind (docs/design.md §7)
             raise
         for param, label in zip(group["params"], labels):
             self._param_index[param] = len(self._param_index)
@@ -116,10 +131,26 @@ class ShardOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        check_gradients(self._param_label.items())
         if self._nonfinite_gradients():
             return loss
+        if self.max_norm > 0:
+            self.last_grad_norm = self.clip_grad_norm_(self.max_norm)
         overlap(self._bucket_steps(), depth=self.overlap_depth)
         return loss
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip every rank's local gradients in place by one agreed factor; returns the agreed norm ν
+        (a 0-d tensor, no device sync). See `shardopt.clipping.clip_grad_norm_`."""
+        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return clip_grad_norm_(grads, max_norm, self.replicate, self.shard, self._device())
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim's load_state_dict, after checking that every group's algorithm, every param's
+        state keys, tensor shapes and dtypes fit this optimizer (ValueError naming the tensor; nothing
+        is loaded then)."""
+        check_state_dict(state_dict, self.param_groups, self._param_label, STATE_KEYS)
+        super().load_state_dict(state_dict)
 
     def nonfinite_anywhere(self, grads: list[torch.Tensor]) -> bool:
         """True, on every rank alike, when any rank of either axis has a NaN/inf in its local `grads`
@@ -129,10 +160,14 @@ class ShardOptimizer(torch.optim.Optimizer):
             norms = torch.stack(torch._foreach_norm(grads)).float()
             flag = (~torch.isfinite(norms)).any().float().reshape(1)
         else:
-            flag = torch.zeros(1, device=local(self.param_groups[0]["params"][0]).device)
+            flag = torch.zeros(1, device=self._device())
         self.replicate.all_reduce(flag, "max")
         self.shard.all_reduce(flag, "max")
         return bool(flag.item())
+
+    def _device(self) -> torch.device:
+        """Where this rank's small collectives live (its first param's device)."""
+        return local(self.param_groups[0]["params"][0]).device
 
     def _nonfinite_gradients(self) -> bool:
         """True when the step must be skipped (nonfinite="skip"); raises for nonfinite="raise"."""
@@ -180,12 +215,12 @@ class ShardOptimizer(torch.optim.Optimizer):
         algorithm = group["algorithm"]
         init = MATRIX_INIT[algorithm]
         states = self._states(params, lambda p: init(p, layout, group, self._seed(p)))
-        return MATRIX_STEPS[algorithm]([local(p) for p in params], [local(p.grad) for p in params], _local_states(states),
+        return MATRIX_STEPS[algorithm]([local(p) for p in params], _gradients(params, group), _local_states(states),
                                 group, layout, self.replicate, self.shard, self._step_seed(params[0], states[0]))
 
     def _scalar_step(self, params, group: dict):
         states = self._states(params, lambda p: scalar.init_state(p, group["algorithm"]))
-        return scalar.step([local(p) for p in params], [local(p.grad) for p in params], _local_states(states), group,
+        return scalar.step([local(p) for p in params], _gradients(params, group), _local_states(states), group,
                     self.replicate, self._step_seed(params[0], states[0]))
 
     def _seed(self, param) -> int:
@@ -240,6 +275,12 @@ class ShardOptimizer(torch.optim.Optimizer):
         return bool((gathered == gathered[0]).all())
 
 
+def _gradients(params, group: dict) -> list[torch.Tensor]:
+    """The local gradients a step reads: g, or −g (new tensors) when the group maximizes."""
+    grads = [local(p.grad) for p in params]
+    return torch._foreach_neg(grads) if group["maximize"] else grads
+
+
 def _local_states(states: list[dict]) -> list[dict]:
     """The same state with every DTensor replaced by its local tensor (a view: writes go through)."""
     return [{key: local(value) for key, value in state.items()} for state in states]
@@ -254,11 +295,11 @@ def bit_hash(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Dion(ShardOptimizer):
-    """Dion (DESIGN §1). Non-matrix params go in groups with algorithm "adamw" or "lion"
+    """Dion (docs/design.md §1). Non-matrix params go in groups with algorithm "adamw" or "lion"
     (see `shardopt.param_groups`), which use lr, betas, epsilon and weight_decay ("lion" groups
     also `vote`, the wire format of their 1-bit vote). wire_dtype: torch.bfloat16 (default) or
     torch.float32, the precision of P and R on the replicate axis (rounded before the exchange).
-    `options`: seed, agreement_timeout_s, nonfinite (see ShardOptimizer)."""
+    `options`: seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize (see ShardOptimizer)."""
 
     matrix_algorithm = "dion"
 
@@ -273,11 +314,11 @@ class Dion(ShardOptimizer):
 
 
 class SignMuon(ShardOptimizer):
-    """Sign-Muon (DESIGN §2). vote: "allreduce_int8", "allgather_1bit", "alltoall_1bit" or "auto"
+    """Sign-Muon (docs/design.md §2). vote: "allreduce_int8", "allgather_1bit", "alltoall_1bit" or "auto"
     (also the format of "lion" groups' vote). wire_dtype: precision of the shard-axis all-to-all of
     orthogonalize="full": torch.float32 (default, the exact Muon direction) or torch.bfloat16 (half
     the shard-axis bytes; only the signs of the result are used).
-    `options`: seed, agreement_timeout_s, nonfinite (see ShardOptimizer)."""
+    `options`: seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize (see ShardOptimizer)."""
 
     matrix_algorithm = "signmuon"
 

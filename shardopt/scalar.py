@@ -1,4 +1,4 @@
-"""Non-matrix parameters (embeddings, heads, norms, biases) over the replicate axis (DESIGN §3).
+"""Non-matrix parameters (embeddings, heads, norms, biases) over the replicate axis (docs/design.md §3).
 
 - "adamw": full-precision gradient mean (one flat all-reduce per dtype), then AdamW.
 - "lion": Lion with a 1-bit majority vote (Distributed Lion, arXiv 2404.00438). Each

@@ -1,4 +1,4 @@
-"""Sign-Muon (DESIGN §2) and the Muon baseline: momentum → polar direction → exchange → update.
+"""Sign-Muon (docs/design.md §2) and the Muon baseline: momentum → polar direction → exchange → update.
 
 For a stack of k same-shape matrices X (m×n, local rows m_i) with gradient G:
 

@@ -1,4 +1,4 @@
-"""Float64 references written from DESIGN.md's equations (plain loops, no shardopt math).
+"""Float64 references written from docs/design.md's equations (plain loops, no shardopt math).
 
 Every function works on one whole matrix X (m×n) as float64; distributed
 tests feed them the quantities a single process would see.
@@ -10,7 +10,7 @@ import torch
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """DESIGN §2 quintic on one float64 matrix: wide orientation, Frobenius-normalized start."""
+    """docs/design.md §2 quintic on one float64 matrix: wide orientation, Frobenius-normalized start."""
     a, b, c = 3.4445, -4.7750, 2.0315
     X = G.double()
     tall = X.shape[0] > X.shape[1]
@@ -24,7 +24,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 def dion_step(X, G, M, Q, *, lr, mu, weight_decay, epsilon=1e-8, transpose: bool):
-    """DESIGN §1 steps 1–7 on one matrix. M is m×n (X's orientation), Q is b×r. Returns (X, M, Q)."""
+    """docs/design.md §1 steps 1–7 on one matrix. M is m×n (X's orientation), Q is b×r. Returns (X, M, Q)."""
     Gb, Mb = (G.T, M.T) if transpose else (G, M)
     B = Mb + Gb
     P = B @ Q
@@ -45,7 +45,7 @@ def dion_step(X, G, M, Q, *, lr, mu, weight_decay, epsilon=1e-8, transpose: bool
 
 
 def initial_q(b: int, r: int, seed: int) -> torch.Tensor:
-    """Q₀ as DESIGN/shardopt document it: N(0,1) float32 from manual_seed(seed), as float64."""
+    """Q₀ as docs/design.md and shardopt document it: N(0,1) float32 from manual_seed(seed), as float64."""
     return torch.randn(b, r, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).double()
 
 

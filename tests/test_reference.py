@@ -1,4 +1,4 @@
-"""Dion and Sign-Muon on one process against float64 references written from DESIGN.md §1 and §2.
+"""Dion and Sign-Muon on one process against float64 references written from docs/design.md §1 and §2.
 
 The references below are plain loops over single matrices, independent of shardopt's math
 (their own Gram–Schmidt and Newton–Schulz). Only the documented Q₀ rule is shared:
@@ -24,7 +24,7 @@ def relative_error(mine, reference):
     return ((mine - reference).norm() / reference.norm()).item()
 
 
-# ---- Dion reference (DESIGN §1) -----------------------------------------------------------------
+# ---- Dion reference (docs/design.md §1) -----------------------------------------------------------------
 
 def reference_rank(m, n, rank_fraction, rank_multiple_of):
     k = min(m, n)
@@ -51,7 +51,7 @@ def gram_schmidt(P):
 
 
 class DionReference:
-    """One matrix X (m×n) with its Dion state; `step(G)` applies DESIGN §1 steps 1–7."""
+    """One matrix X (m×n) with its Dion state; `step(G)` applies docs/design.md §1 steps 1–7."""
 
     def __init__(self, X, Q0, *, lr, mu, weight_decay, epsilon):
         self.X, self.Q = X.clone(), Q0.clone()
@@ -186,7 +186,7 @@ def test_dion_seed_changes_initial_q_and_param_index_separates_equal_shapes():
     assert torch.equal(Q1, reference_q0(16, 8, 4, per_param_seed(0, 1)))
 
 
-# ---- Sign-Muon reference (DESIGN §2) ------------------------------------------------------------
+# ---- Sign-Muon reference (docs/design.md §2) ------------------------------------------------------------
 
 class SignMuonReference:
     """One matrix X (m×n) on one process: the majority vote over one replica is the sign itself."""

@@ -10,7 +10,7 @@ Pinned here:
   direction, exactly, with each format's tie rule (abstain for "allreduce_int8", the
   shared coin `shardopt.vote.coin(n, bucket_seed)` for the 1-bit formats).
 - Parameters stay bit-identical on all replicas in every mode.
-- comm_stats() equals DESIGN's byte formulas; the 768×3072 ratios against an fp32 ring all-reduce.
+- comm_stats() equals docs/design.md's byte formulas; the 768×3072 ratios against an fp32 ring all-reduce.
 - Bad replicate meshes and vote names raise ValueError.
 """
 
@@ -91,7 +91,7 @@ def _relative_error(got, want):
 
 def _dion_run(rank_fraction, mesh_kind, wire_dtype="float32", steps=20, check_at=10):
     """Dion on this replica's gradients beside two single-process float64 Dions fed the mean
-    gradient: shardopt.Dion without a mesh, and tests/reference.py's dion_step (DESIGN §1 as loops)."""
+    gradient: shardopt.Dion without a mesh, and tests/reference.py's dion_step (docs/design.md §1 as loops)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     hyper = dict(lr=0.02, mu=0.9, weight_decay=0.1)
     params, ref_params = _matrices(DION_SHAPES), _matrices(DION_SHAPES)
@@ -264,7 +264,7 @@ def _bad_replicate_mesh(case):
     return None
 
 
-# ---- expected bytes (DESIGN formulas, written out) ----------------------------------------------
+# ---- expected bytes (docs/design.md formulas, written out) ----------------------------------------------
 def _check_bytes(M):
     """Every step first all-reduces one float32 over the replicate axis (the non-finite gradient
     check in ShardOptimizer.step, so all ranks skip together): 2(M−1)·4/M bytes, one call."""
@@ -283,7 +283,7 @@ def _dion_design_bytes(M, rank_fraction, itemsize=8):
 
 
 def _vote_design_bytes(fmt, n, M):
-    """DESIGN §2's table: allreduce_int8 2n(M−1)/M, allgather_1bit n(M−1)/8, alltoall_1bit n(M−1)/(4M)."""
+    """docs/design.md §2's table: allreduce_int8 2n(M−1)/M, allgather_1bit n(M−1)/8, alltoall_1bit n(M−1)/(4M)."""
     return {"allreduce_int8": 2 * n * (M - 1) // M, "allgather_1bit": n * (M - 1) // 8,
             "alltoall_1bit": n * (M - 1) // (4 * M)}[fmt]
 
@@ -368,7 +368,7 @@ def test_signmuon_vote_equals_sign_of_summed_replica_signs(pools, world_size, vo
     # 20 steps: bit-identical weights
     assert all(r["consistent"] for r in results)
     assert all(torch.equal(r["params"], results[0]["params"]) for r in results)
-    # bytes: DESIGN's table per bucket of n = 768 entries, two buckets per step (+ the check)
+    # bytes: docs/design.md's table per bucket of n = 768 entries, two buckets per step (+ the check)
     for result in results:
         sent = result["stats"]["replicate"]["bytes_sent"] - steps * _check_bytes(world_size)
         assert sent == steps * 2 * _vote_design_bytes(fmt, 768, world_size)
@@ -455,7 +455,7 @@ def test_unknown_vote_raises_value_error(pools):
         vote_bytes("1bit", 64, 4)
 
 
-# ---- tests: Lion with the 1-bit vote (DESIGN §3) ----------------------------------------------------
+# ---- tests: Lion with the 1-bit vote (docs/design.md §3) ----------------------------------------------------
 LION_SHAPES = [(40,), (8, 5), (24,)]          # one flat vote of n = 104 entries (a multiple of 8·M for M = 2, 4)
 LION_BETAS = (0.9, 0.99)
 
@@ -483,7 +483,7 @@ def _lion_run(fmt, steps=4, zero_index=None):
 
 
 def _reference_lion_vote(world, steps, zero_index=None):
-    """Distributed Lion from DESIGN §3 as loops: every replica's own momentum and sign, the majority
+    """Distributed Lion from docs/design.md §3 as loops: every replica's own momentum and sign, the majority
     vote (0 on ties and where every replica abstains), float64. Returns the params after each step."""
     x = _flat(_matrices(LION_SHAPES)).clone()
     momenta = [torch.zeros_like(x) for _ in range(world)]

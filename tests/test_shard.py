@@ -1,7 +1,7 @@
 """Shard axis: FSDP2 / DTensor parameters, HSDP with a compressed replicate axis, DCP checkpoints.
 
 Every case runs on a gloo worker pool and is checked against the float64
-references in tests/reference.py written from DESIGN.md's equations.
+references in tests/reference.py written from docs/design.md's equations.
 """
 
 import math
@@ -162,7 +162,7 @@ def test_fsdp_signmuon_uneven_and_empty_shards_match_reference(pool4, orthogonal
 
 
 def _dion_hsdp_bytes(rank_fraction, wire_itemsize):
-    """DESIGN §1 byte formulas per rank and axis for one step of _run_dion's matrices at 2×2, fp64
+    """docs/design.md §1 byte formulas per rank and axis for one step of _run_dion's matrices at 2×2, fp64
     (P reduce-scattered in fp64, averaged over replicas and all-gathered in the wire dtype), plus the
     non-finite check: one all-reduce of one float32 per axis."""
     F = M = 2
@@ -195,6 +195,48 @@ def test_hsdp_comm_stats_equal_design_formulas(pool4, wire_dtype):
 
 
 # ---- DCP: save at 4 ranks, load at 2 and 1 ----------------------------------------------------
+def _clip_on_2x2(max_norm):
+    """Dion on 2 replicas × 2 shards with max_grad_norm: the agreed norm ν = mean over replicas of
+    √(Σ_shards ‖g‖²), each rank's local gradients scaled by min(1, max_norm/(ν+1e-6)), the bytes."""
+    mesh = _mesh(2, 2)
+    _, params, _ = _sharded_matrices(mesh, SHAPES)
+    opt = shardopt.Dion(params, rank_fraction=0.25, replicate_mesh=mesh["replicate"], max_grad_norm=max_norm, seed=3)
+    replica = mesh.get_local_rank("replicate")
+    _set_local_grads(params, replica, 0)
+    for param in params:           # replica 1's gradient 3× larger: the replicas' own norms differ
+        param.grad.to_local().mul_(1 + 2 * replica)
+    replica_norms = [(1 + 2 * r) * math.sqrt(sum(float(_replica_gradient(r, 0, i, p.shape).norm()) ** 2
+                                                 for i, p in enumerate(params))) for r in range(2)]
+    expected = sum(replica_norms) / 2
+    factor = min(1.0, max_norm / (expected + 1e-6))
+    opt.reset_comm_stats()
+    norm = opt.clip_grad_norm_(max_norm)
+    stats = opt.comm_stats()
+    errors = []
+    for index, param in enumerate(params):
+        layout = shardopt.placement.matrix_layout(param)
+        rows = (1 + 2 * replica) * _replica_gradient(replica, 0, index, param.shape)[layout.row_start:layout.row_start + layout.rows]
+        errors.append(max((param.grad.to_local() - rows * factor).abs().flatten().tolist(), default=0.0))
+    for step in range(1, 4):       # clipped steps keep the replicas bit-identical
+        _set_local_grads(params, replica, step)
+        opt.step()
+    return (norm.item(), expected, replica_norms, max(errors), stats["replicate"]["bytes_sent"],
+            stats["shard"]["bytes_sent"], opt.replicas_consistent(), opt.last_grad_norm.item())
+
+
+def test_clip_uses_one_norm_agreed_over_replicas_and_shards(pool4):
+    results = pool4.run(_clip_on_2x2, 5.0)
+    norm, expected, replica_norms, _, _, _, _, _ = results[0]
+    assert replica_norms[1] > 2 * replica_norms[0]   # a local clip would scale the replicas differently
+    assert expected > 5.0                                              # so the clip is active
+    assert len({r[0] for r in results}) == 1 and len({r[7] for r in results}) == 1   # bitwise the same on every rank
+    assert abs(norm - expected) <= 1e-6 * expected
+    for _, _, _, error, replicate_bytes, shard_bytes, consistent, _ in results:
+        assert error <= 1e-6
+        assert replicate_bytes == collective_bytes("all_reduce", 4, 2) and shard_bytes == collective_bytes("all_reduce", 4, 2)
+        assert consistent
+
+
 def _mlp_step(model, opt, step, world):
     generator = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(8, 12, generator=generator, dtype=torch.float64)
@@ -275,6 +317,14 @@ def _bad_input(case):
             shardopt.Dion([p, torch.nn.Parameter(torch.randn(4, 4))])
         elif case == "shard_mesh_plain":
             shardopt.Dion([torch.nn.Parameter(full)], shard_mesh=mesh["shard"])
+        elif case in ("plain_grad", "replicated_grad"):   # a step's gradient placed unlike its param
+            p = torch.nn.Parameter(distribute_tensor(full, mesh["shard"], [Shard(0)]))
+            opt = shardopt.Dion([p], replicate_mesh=mesh["replicate"])
+            grad = distribute_tensor(torch.ones(8, 4), mesh["shard"], [Replicate()])
+            if case == "plain_grad":
+                grad = torch.ones(8, 4)
+            p.grad = grad
+            opt.step()
         elif case == "param_lists_differ":
             params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(2 + (dist.get_rank() == 1))]
             shardopt.Dion(params, replicate_mesh=dist.group.WORLD, agreement_timeout_s=10)
@@ -289,6 +339,8 @@ def _bad_input(case):
     ("strided_shard", "_StridedShard"),
     ("mixed_plain", "mix plain tensors .* with DTensors"),
     ("shard_mesh_plain", "shard_mesh was given but no parameter is a DTensor"),
+    ("plain_grad", "param #0 of param group 0 is a DTensor but its gradient is a plain tensor"),
+    ("replicated_grad", r"param #0 of param group 0 is placed \(Shard\(dim=0\),\) but its gradient \(Replicate\(\),\)"),
     ("param_lists_differ", "disagree on the number of params \\(rank 0: 2, rank 1: 3"),
 ])
 def test_bad_sharding_raises_clear_error_on_every_rank(pool4, case, message):

@@ -1,4 +1,5 @@
-"""integrations/fsdp/train.py under torchrun (2 CPU processes, gloo): it trains, logs, and resumes exactly."""
+"""integrations/fsdp/train.py under torchrun (2 or 4 CPU processes, gloo): it trains (also in bf16 with
+accumulation and clipping), logs (CSV, TensorBoard), and resumes exactly, lr scheduler included."""
 
 import csv
 import os
@@ -108,6 +109,76 @@ def test_mismatched_mesh_is_a_clear_error(data_dir):
     assert "--replicate 3 × --shard 1 = 3 ranks, but the world size is 2" in done.stderr
 
 
+def test_help_lists_the_everyday_options():
+    done = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    for option in ("--bf16", "--grad-accum", "--clip", "--tensorboard", "MixedPrecisionPolicy", "max_grad_norm"):
+        assert option in done.stdout, option
+
+
+@pytest.mark.parametrize("option, value", [("--grad-accum", "0"), ("--clip", "-1")])
+def test_bad_accumulation_or_clip_is_a_clear_error(data_dir, option, value):
+    command = [sys.executable, str(TRAIN), "--data-dir", str(data_dir), option, value]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode != 0 and f"{option} {int(value) if option == '--grad-accum' else float(value)}" in done.stderr
+
+
+def test_overlay_plot_of_several_runs(tmp_path):
+    """integrations/plot.py (the demo's compare.png): one figure from several runs' metrics.csv."""
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install -e '.[train]')")
+    runs = []
+    for name, bytes_per_step in (("adamw", 1000), ("signmuon", 100)):
+        run = tmp_path / name
+        run.mkdir()
+        lines = ["step,train_loss,val_loss,replicate_bytes"] + [
+            f"{step},{3 - step / 20},{'' if step % 10 else 3.1 - step / 20},{step * bytes_per_step}" for step in range(0, 21, 5)]
+        (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+        runs.append(str(run))
+    out = tmp_path / "compare.png"
+    done = subprocess.run([sys.executable, str(ROOT / "integrations" / "plot.py"), *runs, "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def tensorboard_scalars(log_dir) -> dict:
+    """tag → [(step, value)] of every scalar in a TensorBoard log directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_bf16_accumulation_and_clip_on_2x2_keep_replicas_bit_identical(data_dir, tmp_path):
+    """--bf16 --grad-accum 2 --clip on 2 replicas × 2 shards: it learns, the clip is active (the agreed
+    norm exceeds MAX), the replicas' weights are checked bitwise equal after every step (the script
+    stops with an error otherwise), and TensorBoard gets loss, lr, grad norm and bytes."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[train]')")
+    output = train(data_dir, tmp_path, "--optimizer", "signmuon", "--replicate", "2", "--shard", "2", "--steps", "20",
+                   "--bf16", "--grad-accum", "2", "--clip", "1.0", "--check-replicas-every", "1", "--tensorboard",
+                   nproc=4, timeout=300)
+    assert "bf16 compute" in output and "(2 micro-batches), clip 1.0" in output
+    rows = assert_learns(tmp_path)
+    norms = [float(r["grad_norm"]) for r in rows[1:]]
+    assert all(norm > 1.0 for norm in norms), norms
+    assert int(rows[-1]["tokens"]) == 20 * 2 * 8 * 16 * 4   # steps × micro-batches × batch × context × ranks
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    for tag in ("loss/train", "loss/val", "lr", "grad_norm", "bytes/replicate_per_step", "bytes/replicate_total"):
+        assert [step for step, _ in scalars[tag]] == [int(r["step"]) for r in rows if r[tag_field(tag)] != ""], tag
+    assert scalars["grad_norm"][-1][1] == pytest.approx(norms[-1], rel=1e-5)
+
+
+def tag_field(tag: str) -> str:
+    return {"loss/train": "train_loss", "loss/val": "val_loss", "bytes/replicate_per_step": "replicate_bytes_per_step",
+            "bytes/replicate_total": "replicate_bytes"}.get(tag, tag)
+
+
+def scheduler_state(checkpoint, target) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(checkpoint, target)
+    return torch.load(target, weights_only=True)["scheduler"]
+
+
 @pytest.mark.parametrize("replicate, shard", [(2, 1), (1, 2)])
 def test_resume_continues_bitwise_on_the_same_trajectory(data_dir, tmp_path, whole_runs, replicate, shard):
     """20 steps in one go vs. stop at 10 then --resume: the same checkpoint at step 20, bit for bit."""
@@ -116,7 +187,10 @@ def test_resume_continues_bitwise_on_the_same_trajectory(data_dir, tmp_path, who
     train(data_dir, tmp_path / "split", *DION, *mesh, "--stop-at", "10")
     assert not (tmp_path / "split" / "checkpoints" / "step_000020").exists()
     output = train(data_dir, tmp_path / "split", *DION, *mesh, "--resume")
-    assert "resume: loaded" in output and "(step 10)" in output
+    assert "resume: loaded" in output and "(step 10, lr scheduler at step 10)" in output
+    assert scheduler_state(tmp_path / "split" / "checkpoints" / "step_000010", tmp_path / "s.pt")["last_epoch"] == 10
+    lrs = lambda rows: [(r["step"], r["lr"]) for r in rows]   # a scheduler restarted at 0 would warm up again
+    assert lrs(metrics(whole_dir)) == lrs(metrics(tmp_path / "split"))
 
     whole = checkpoint_tensors(whole_dir / "checkpoints" / "step_000020", tmp_path / "whole.pt")
     split = checkpoint_tensors(tmp_path / "split" / "checkpoints" / "step_000020", tmp_path / "split.pt")
@@ -133,7 +207,7 @@ def test_checkpoint_resumes_on_another_mesh(data_dir, tmp_path, whole_runs):
     decoupled momenta follows the mean gradient exactly, so the run matches a 1 × 2 run to rounding.)"""
     shutil.copytree(whole_runs(2, 1) / "checkpoints" / "step_000010", tmp_path / "checkpoints" / "step_000010")
     output = train(data_dir, tmp_path, *DION, "--replicate", "1", "--shard", "2", "--resume")
-    assert "resume: loaded" in output and "(step 10)" in output
+    assert "resume: loaded" in output and "(step 10, lr scheduler at step 10)" in output
     resumed = float(metrics(tmp_path)[-1]["val_loss"])
     reference = float(metrics(whole_runs(1, 2))[-1]["val_loss"])
     assert abs(resumed - reference) < 1e-3, (resumed, reference)

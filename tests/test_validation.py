@@ -1,4 +1,5 @@
-"""Bad input → ValueError that names the parameter (DESIGN §7), one process, table-driven."""
+"""Bad constructor input → ValueError that names the parameter (docs/design.md §7), one process, table-driven.
+(Bad gradients at step time and bad state dicts at load time: tests/test_bad_inputs.py.)"""
 
 import pytest
 import torch
@@ -78,6 +79,42 @@ CASES = {
     "adamw lr negative in group 1": (groups(shardopt.Dion, {"params": [matrix()]},
                                             {"params": [vector()], "algorithm": "adamw", "lr": -3e-4}),
                                      r"Invalid lr: -0\.0003 \(param group 1\)"),
+    # NaN / inf (NaN compares False with every bound, so each range check must reject it explicitly)
+    "lr NaN": (dion(lr=float("nan")), r"Invalid lr: nan .*not NaN"),
+    "lr inf": (dion(lr=float("inf")), r"Invalid lr: inf .*\[0\.0, inf\)"),
+    "lr NaN (signmuon)": (signmuon(lr=float("nan")), r"Invalid lr: nan"),
+    "lr a tensor": (dion(lr=torch.tensor(0.01)), r"Invalid lr: a tensor \(param group 0\); pass a Python float"),
+    "weight_decay NaN": (dion(weight_decay=float("nan")), r"Invalid weight_decay: nan"),
+    "weight_decay inf": (dion(weight_decay=float("inf")), r"Invalid weight_decay: inf"),
+    "mu NaN": (dion(mu=float("nan")), r"Invalid mu: nan"),
+    "momentum NaN": (signmuon(momentum=float("nan")), r"Invalid momentum: nan"),
+    "rank_fraction NaN": (dion(rank_fraction=float("nan")), r"Invalid rank_fraction: nan"),
+    "epsilon NaN": (dion(epsilon=float("nan")), r"Invalid epsilon: nan"),
+    "epsilon inf": (dion(epsilon=float("inf")), r"Invalid epsilon: inf"),
+    "betas NaN": (groups(shardopt.Dion, {"params": [vector()], "algorithm": "adamw", "betas": (float("nan"), 0.9)}),
+                  r"Invalid betas\[0\]: nan"),
+    "betas a string": (groups(shardopt.Dion, {"params": [vector()], "algorithm": "lion", "betas": "0.9,0.99"}),
+                       r"Invalid betas: '0\.9,0\.99'.*pair"),
+    "rank_multiple_of None": (dion(rank_multiple_of=None), r"Invalid rank_multiple_of: None"),
+    "lr None": (dion(lr=None), r"Invalid lr: None.*real number"),
+    # optimizer options (not group hyperparameters)
+    "seed float": (dion(seed=1.5), r"Invalid seed: 1\.5.*integer"),
+    "seed string": (dion(seed="0"), r"Invalid seed: '0'"),
+    "seed NaN": (dion(seed=float("nan")), r"Invalid seed: nan"),
+    "agreement_timeout_s 0": (dion(agreement_timeout_s=0), r"Invalid agreement_timeout_s: 0.*> 0"),
+    "agreement_timeout_s NaN": (dion(agreement_timeout_s=float("nan")), r"Invalid agreement_timeout_s: nan"),
+    "unknown nonfinite": (dion(nonfinite="ignore"), r"Invalid nonfinite: 'ignore'.*'skip', 'raise'"),
+    "max_grad_norm negative": (dion(max_grad_norm=-1.0), r"Invalid max_grad_norm: -1\.0.*≥ 0"),
+    "max_grad_norm NaN": (dion(max_grad_norm=float("nan")), r"Invalid max_grad_norm: nan"),
+    "max_grad_norm inf": (signmuon(max_grad_norm=float("inf")), r"Invalid max_grad_norm: inf.*0 turns clipping off"),
+    "max_grad_norm string": (dion(max_grad_norm="1.0"), r"Invalid max_grad_norm: '1\.0'"),
+    "maximize not bool": (dion(maximize=1), r"Invalid maximize: 1.*True or False"),
+    "maximize not bool in a group": (groups(shardopt.Dion, {"params": [matrix()], "maximize": "yes"}),
+                                     r"Invalid maximize: 'yes' \(param group 0\)"),
+    "misspelt group key": (groups(shardopt.Dion, {"params": [matrix()], "rank_fracton": 0.25}),
+                           r"param group 0 has unknown keys 'rank_fracton' \(did you mean 'rank_fraction'\?\)"),
+    "torch.optim key in a group": (groups(shardopt.SignMuon, {"params": [matrix()], "dampening": 0.1}, lr=0.1),
+                                   r"unknown keys 'dampening'"),
     # meshes
     "shard_mesh without DTensor params": (dion(shard_mesh=object()), r"shard_mesh was given but no parameter is a DTensor"),
     "replicate_mesh without torch.distributed": (dion(replicate_mesh=object()),
@@ -137,6 +174,22 @@ def test_lion_group_with_an_integer_tensor_names_the_group():
     with pytest.raises(ValueError, match=r"param group 1 \('lion'\) has dtype torch.int64"):
         shardopt.SignMuon([{"params": [matrix()]},
                            {"params": [torch.zeros(3, dtype=torch.int64)], "algorithm": "lion"}], lr=0.01)
+
+
+@pytest.mark.parametrize("flag", ["foreach", "fused", "capturable", "differentiable"])
+@pytest.mark.parametrize("value", [True, False])
+def test_torch_optim_flags_are_refused_with_what_shardopt_does_instead(flag, value):
+    """foreach=/fused=/capturable=/differentiable= are not ignored: a TypeError says why (None passes)."""
+    with pytest.raises(TypeError, match=rf"{flag}={value} is a torch.optim option shardopt does not take: .*Remove {flag}="):
+        shardopt.SignMuon([matrix()], lr=0.01, **{flag: value})
+    shardopt.Dion([matrix()], **{flag: None})
+
+
+def test_a_rejected_group_leaves_the_optimizer_unchanged():
+    opt = shardopt.Dion([matrix()])
+    with pytest.raises(ValueError, match="Invalid lr: nan"):
+        opt.add_param_group({"params": [matrix()], "lr": float("nan")})
+    assert len(opt.param_groups) == 1 and len(opt._param_index) == 1
 
 
 def test_signmuon_requires_lr():

@@ -1,4 +1,4 @@
-"""Whole-model compression (DESIGN §3): with Lion's 1-bit vote for the embeddings, head and norms,
+"""Whole-model compression (docs/design.md §3): with Lion's 1-bit vote for the embeddings, head and norms,
 nothing crosses the replicate axis at full precision.
 
 An LM whose 8192×256 embedding and untied 256×8192 head are 2/3 of its parameters, four 256↔1024

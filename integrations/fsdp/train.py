@@ -19,11 +19,18 @@ the baselines differ only in the optimizer of the 2-D weights:
 
 All replicate-axis traffic goes through shardopt, so opt.comm_stats() counts every run's
 bytes the same way. Every rank reads its own batches, drawn from (seed, step, rank) alone,
-so `--resume` continues from the latest checkpoint (DCP, model + optimizer) on the same
+so `--resume` continues from the latest checkpoint (DCP: model, optimizer, lr scheduler) on the same
 trajectory as an uninterrupted run; a checkpoint also resumes on another --replicate × --shard
 (DCP reshards it). Written to --out-dir: metrics.csv (one row per log
 step), loss.png (if matplotlib is installed: pip install -e '.[train]'), summary.json and
-checkpoints/step_NNNNNN/ (on several nodes, put --out-dir where every node sees it).
+checkpoints/step_NNNNNN/ (on several nodes, put --out-dir where every node sees it),
+tensorboard/ with --tensorboard.
+
+Everyday options: --bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 weights, gradients and
+optimizer state), --grad-accum N (N micro-batches per step; FSDP2 reduce-scatters on the last one
+only), --clip MAX (the optimizer's max_grad_norm: every rank scales its gradients by the same
+factor, from a norm agreed over replicas and shards; docs/design.md §5). The lr schedule is a torch.optim.lr_scheduler.LambdaLR (linear warm-up, cosine to 10%) saved in every
+checkpoint.
 """
 
 import argparse
@@ -41,7 +48,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+try:
+    from tqdm import tqdm
+except ImportError as error:
+    raise SystemExit(f"train.py needs the 'train' extra ({error}): pip install -e '.[train]'") from error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: model.py, data.py
 import data  # noqa: E402
@@ -79,7 +91,13 @@ parser.add_argument("--n-layer", type=int, default=4)
 parser.add_argument("--n-head", type=int, default=4)
 parser.add_argument("--n-embd", type=int, default=128)
 parser.add_argument("--block-size", type=int, default=64, help="context length")
-parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-batch")
+parser.add_argument("--grad-accum", type=int, default=1, metavar="N", help="gradient accumulation: micro-batches per "
+                    "step (FSDP2 reduce-scatters once per step, on the last)")
+parser.add_argument("--bf16", action="store_true", help="mixed precision: bf16 forward/backward (FSDP2 "
+                    "MixedPrecisionPolicy), fp32 weights, gradient reduction and optimizer state")
+parser.add_argument("--clip", type=float, default=0.0, metavar="MAX", help="clip gradients to norm MAX, agreed "
+                    "over all ranks (the optimizer's max_grad_norm; 0: off)")
 parser.add_argument("--steps", type=int, default=300, help="length of the run (and of the lr schedule)")
 parser.add_argument("--warmup", type=int, default=20, help="linear lr warm-up steps, then cosine to 10%%")
 parser.add_argument("--stop-at", type=int, default=None, help="stop after this step (e.g. to resume later)")
@@ -92,6 +110,8 @@ parser.add_argument("--out-dir", type=Path, default=None, help="default: runs/<o
 parser.add_argument("--tokenizer", choices=data.TOKENIZERS, default="byte", help="byte (vocab 256) or BPE "
                     "(vocab 4096: prepare with python integrations/data.py --tokenizer bpe)")
 parser.add_argument("--data-dir", type=Path, default=None, help="default: the prepared data of --tokenizer")
+parser.add_argument("--tensorboard", action="store_true", help="log loss, lr, grad norm and bytes to "
+                    "<out-dir>/tensorboard (torch.utils.tensorboard; pip install -e '.[train]')")
 parser.add_argument("--summary-csv", type=Path, default=None, help="append one row of final numbers to this CSV")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait for another rank "
@@ -103,6 +123,13 @@ args.lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
 args.scalar_lr = args.scalar_lr or {"adamw": 3e-3, "lion": 3e-4}[args.scalar_algorithm]
 args.data_dir = args.data_dir or data.data_dir(data.default_cache(), args.tokenizer)
 args.out_dir = args.out_dir or Path("runs") / args.optimizer
+if args.grad_accum < 1 or args.clip < 0:
+    parser.error(f"--grad-accum {args.grad_accum} must be ≥ 1 and --clip {args.clip} ≥ 0")
+if args.tensorboard:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        parser.error(f"--tensorboard needs the tensorboard package ({error}): pip install -e '.[train]'")
 
 # ---- distributed set-up: a (replicate, shard) mesh ---------------------------------------------
 cuda = torch.cuda.is_available()
@@ -134,7 +161,7 @@ print(f"rank {rank}/{world_size} on {os.uname().nodename}: replicate {mesh.get_l
 
 def log(message: str) -> None:
     if master:
-        print(message, flush=True)
+        tqdm.write(message)   # (above the progress bar)
 
 
 def sync() -> None:
@@ -159,17 +186,18 @@ model = GPT(GPTConfig(vocab_size=data.vocab_size(args.data_dir), block_size=args
                       n_head=args.n_head, n_embd=args.n_embd)).to(device)
 # (also when --shard is 1: the parameters are then DTensors all the same, so the optimizer state has
 # one layout at every mesh shape and a checkpoint resumes on a different --replicate × --shard)
+precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None, reduce_dtype=torch.float32)
 for block in model.transformer.h:
-    fully_shard(block, mesh=mesh["shard"])
-fully_shard(model, mesh=mesh["shard"])
+    fully_shard(block, mesh=mesh["shard"], mp_policy=precision)
+fully_shard(model, mesh=mesh["shard"], mp_policy=precision)
 log(f"model: {model.num_params():,} params, {args.n_layer} layers, width {args.n_embd}, context {args.block_size}; "
-    f"mesh {args.replicate} replicate × {args.shard} shard on {device.type}")
+    f"mesh {args.replicate} replicate × {args.shard} shard on {device.type}{', bf16 compute' if args.bf16 else ''}")
 
-# ---- optimizer: the 2-D weights get --optimizer, everything else AdamW ---------------------------
+# ---- optimizer: the 2-D weights get --optimizer, everything else --scalar-algorithm ----------------
 matrix_algorithm = "dion" if args.optimizer == "adamw" else args.optimizer
 groups = shardopt.param_groups(model, matrix_algorithm, args.scalar_algorithm,
                                scalar_options=dict(lr=args.scalar_lr, weight_decay=0.0, betas=tuple(args.scalar_betas)))
-meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed)
+meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed, max_grad_norm=args.clip)
 if args.optimizer == "dion":
     opt = shardopt.Dion(groups, lr=args.lr, mu=args.mu, rank_fraction=args.rank_fraction,
                         weight_decay=args.weight_decay, wire_dtype=args.wire_dtype, **meshes)
@@ -181,7 +209,6 @@ else:   # the baselines: Muon, or AdamW on the matrices too; both average full-p
     opt = shardopt.ShardOptimizer(groups, dict(lr=args.lr, momentum=args.momentum, ns_steps=args.ns_steps,
                                                weight_decay=args.weight_decay), **meshes)
 log(opt.describe())
-base_lrs = [group["lr"] for group in opt.param_groups]
 
 
 def lr_multiplier(step: int) -> float:
@@ -192,14 +219,19 @@ def lr_multiplier(step: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-# ---- checkpoints: DCP of model + optimizer ------------------------------------------------------
+# the scheduler's epoch counts the steps taken; step s (from 1) runs at base lr × lr_multiplier(s)
+scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda steps_taken: lr_multiplier(steps_taken + 1))
+
+
+# ---- checkpoints: DCP of model + optimizer + lr scheduler ---------------------------------------
 checkpoints = args.out_dir / "checkpoints"
 
 
 def save_checkpoint(step: int) -> None:
     opt.synchronize_for_checkpoint()   # one momentum that every replica agrees on
     model_state, optim_state = get_state_dict(model, opt)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoints / f"step_{step:06d}")
+    dcp.save({"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()},
+             checkpoint_id=checkpoints / f"step_{step:06d}")
     opt.reset_comm_stats()             # checkpoint traffic is not a training step's
 
 
@@ -219,16 +251,19 @@ if args.resume:
     else:
         start_step, path = found
         model_state, optim_state = get_state_dict(model, opt)   # (initializes the optimizer state)
-        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}
+        dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=optim_state)
+        scheduler.load_state_dict(state["scheduler"])
         opt.reset_comm_stats()
-        log(f"resume: loaded {path} (step {start_step})")
+        log(f"resume: loaded {path} (step {start_step}, lr scheduler at step {scheduler.last_epoch})")
 
-# ---- metrics: CSV rows (rank 0), kept up to the resumed step ----------------------------------
-FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "tokens_per_s", "step_ms", "opt_step_ms",
-          "replicate_bytes_per_step", "shard_bytes_per_step", "elapsed_s"]
+# ---- metrics: CSV rows (rank 0), kept up to the resumed step; TensorBoard --------------------
+FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "step_ms", "opt_step_ms",
+          "replicate_bytes_per_step", "shard_bytes_per_step", "replicate_bytes", "elapsed_s"]
 metrics_path = args.out_dir / "metrics.csv"
 rows = []
+board = None   # TensorBoard (rank 0, --tensorboard)
 if master:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if start_step and metrics_path.exists():
@@ -237,55 +272,69 @@ if master:
     with metrics_path.open("w", newline="") as f:
         csv.DictWriter(f, FIELDS).writeheader()
         csv.DictWriter(f, FIELDS).writerows(rows)
+    if args.tensorboard:   # (purge_step drops events a crashed run logged after its last checkpoint)
+        board = SummaryWriter(args.out_dir / "tensorboard", purge_step=start_step + 1)
+TENSORBOARD_TAGS = {"train_loss": "loss/train", "val_loss": "loss/val", "lr": "lr", "grad_norm": "grad_norm",
+                    "tokens_per_s": "throughput/tokens_per_s", "replicate_bytes_per_step": "bytes/replicate_per_step",
+                    "shard_bytes_per_step": "bytes/shard_per_step", "replicate_bytes": "bytes/replicate_total"}
 
 
 def write_row(row: dict) -> None:
     rows.append(row)
     with metrics_path.open("a", newline="") as f:
         csv.DictWriter(f, FIELDS).writerow(row)
+    if board:
+        for field, tag in TENSORBOARD_TAGS.items():
+            if row[field] != "":
+                board.add_scalar(tag, float(row[field]), int(row["step"]))
+        board.flush()
 
 
 @torch.no_grad()
 def evaluate() -> float:
     """Mean val loss over args.eval_batches fixed batches per rank, averaged over all ranks."""
     model.eval()
-    losses = torch.stack([model(*batch("val", i))[1] for i in range(args.eval_batches)])
+    losses = torch.stack([model(*batch("val", i))[1].float() for i in range(args.eval_batches)])
     model.train()
-    mean = losses.mean().reshape(1)
-    dist.all_reduce(mean)
-    return mean.item() / dist.get_world_size()
+    return mean_over_ranks(losses.mean())
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().reshape(1).clone()
+    value = value.detach().float().reshape(1).clone()
     dist.all_reduce(value)
     return value.item() / dist.get_world_size()
 
 
 # ---- training loop -----------------------------------------------------------------------------
-tokens_per_step = args.batch_size * args.block_size * dist.get_world_size()
+tokens_per_step = args.batch_size * args.block_size * args.grad_accum * dist.get_world_size()
 end_step = min(args.steps, args.stop_at or args.steps)
-interactive = master and sys.stdout.isatty()
 log(f"train: {args.optimizer} lr {args.lr:g}, steps {start_step + 1}..{end_step} of {args.steps}, "
-    f"{tokens_per_step:,} tokens per step, out {args.out_dir}")
+    f"{tokens_per_step:,} tokens per step ({args.grad_accum} micro-batches), clip {args.clip or 'off'}, "
+    f"out {args.out_dir}")
 if start_step == 0 and args.eval_every:
     val_loss = evaluate()
     log(f"step 0: val loss {val_loss:.4f}")
     if master:
-        write_row(dict.fromkeys(FIELDS, "") | {"step": 0, "tokens": 0, "val_loss": f"{val_loss:.6f}", "elapsed_s": 0})
+        write_row(dict.fromkeys(FIELDS, "") | {"step": 0, "tokens": 0, "val_loss": f"{val_loss:.6f}",
+                                               "replicate_bytes": 0, "elapsed_s": 0})
+replicate_bytes = int(rows[-1]["replicate_bytes"]) if rows and rows[-1]["replicate_bytes"] else 0
 loop_started = time.perf_counter()
 window = dict(loss=torch.zeros((), device=device), steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
 totals = dict(steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
-for step in range(start_step + 1, end_step + 1):
+progress = tqdm(range(start_step + 1, end_step + 1), initial=start_step, total=end_step, desc=args.optimizer,
+                unit="step", disable=not master, mininterval=1.0, dynamic_ncols=True)
+for step in progress:
     tick = time.perf_counter()
-    for group, base_lr in zip(opt.param_groups, base_lrs):
-        group["lr"] = base_lr * lr_multiplier(step)
-    x, y = batch("train", step)
-    _, loss = model(x, y)
-    loss.backward()
+    lr = scheduler.get_last_lr()[0]   # this step's lr of the 2-D weights
+    for micro in range(args.grad_accum):   # micro-batch i of step s is batch (s−1)·N + i + 1 of this rank
+        model.set_requires_gradient_sync(micro == args.grad_accum - 1)
+        _, loss = model(*batch("train", (step - 1) * args.grad_accum + micro + 1))
+        (loss / args.grad_accum).backward()
+        window["loss"] += loss.detach().float() / args.grad_accum
     sync()
     opt_tick = time.perf_counter()
-    opt.step()
+    opt.step()        # clips (--clip), exchanges over the replicate axis, updates
+    scheduler.step()
     opt.zero_grad(set_to_none=True)
     sync()
     tock = time.perf_counter()
@@ -297,37 +346,38 @@ for step in range(start_step + 1, end_step + 1):
         counter["opt_seconds"] += tock - opt_tick
         counter["replicate"] += stats["replicate"]["bytes_sent"]
         counter["shard"] += stats["shard"]["bytes_sent"]
-    window["loss"] += loss.detach()
+    replicate_bytes += stats["replicate"]["bytes_sent"]
 
     evaluate_now = args.eval_every and (step % args.eval_every == 0 or step == end_step)
     if step % args.log_every == 0 or evaluate_now or step == end_step:
         train_loss = mean_over_ranks(window["loss"] / window["steps"])
         val_loss = evaluate() if evaluate_now else None
         n = window["steps"]
-        row = {"step": step, "tokens": step * tokens_per_step, "lr": f"{args.lr * lr_multiplier(step):.6g}",
-               "train_loss": f"{train_loss:.6f}", "val_loss": "" if val_loss is None else f"{val_loss:.6f}",
+        row = {"step": step, "tokens": step * tokens_per_step, "lr": f"{lr:.6g}", "train_loss": f"{train_loss:.6f}",
+               "val_loss": "" if val_loss is None else f"{val_loss:.6f}",
+               "grad_norm": "" if opt.last_grad_norm is None else f"{opt.last_grad_norm.item():.6g}",
                "tokens_per_s": f"{n * tokens_per_step / window['seconds']:.1f}",
                "step_ms": f"{1000 * window['seconds'] / n:.2f}", "opt_step_ms": f"{1000 * window['opt_seconds'] / n:.2f}",
                "replicate_bytes_per_step": window["replicate"] // n, "shard_bytes_per_step": window["shard"] // n,
-               "elapsed_s": f"{time.perf_counter() - loop_started:.1f}"}
+               "replicate_bytes": replicate_bytes, "elapsed_s": f"{time.perf_counter() - loop_started:.1f}"}
         if master:
             write_row(row)
-        line = (f"step {step}/{args.steps}: train loss {train_loss:.4f}"
-                + ("" if val_loss is None else f", val loss {val_loss:.4f}")
-                + f", {row['tokens_per_s']} tok/s, step {row['step_ms']} ms (optimizer {row['opt_step_ms']} ms), "
-                  f"replicate {int(row['replicate_bytes_per_step']):,} B/step, shard {int(row['shard_bytes_per_step']):,} B/step")
-        log(("\r\033[K" if interactive else "") + line)   # (clears the progress bar)
+        progress.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
+        log(f"step {step}/{args.steps}: train loss {train_loss:.4f}"
+            + ("" if val_loss is None else f", val loss {val_loss:.4f}")
+            + ("" if row["grad_norm"] == "" else f", grad norm {row['grad_norm']}")
+            + f", {row['tokens_per_s']} tok/s, step {row['step_ms']} ms (optimizer {row['opt_step_ms']} ms), "
+              f"replicate {int(row['replicate_bytes_per_step']):,} B/step, shard {int(row['shard_bytes_per_step']):,} B/step")
         window.update(loss=torch.zeros((), device=device), steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
-    elif interactive:
-        done = step - start_step
-        eta = (time.perf_counter() - loop_started) / done * (end_step - step)
-        print(f"\rstep {step}/{args.steps}  [{'#' * (30 * step // args.steps):<30}]  eta {eta:.0f} s", end="", flush=True)
 
     if args.check_replicas_every and step % args.check_replicas_every == 0 and not opt.replicas_consistent():
         raise SystemExit(f"rank {rank}: replicas diverged at step {step} (weights differ bitwise between "
                          f"replicas); stopping. Resume from the last checkpoint with --resume")
     if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == end_step):
         save_checkpoint(step)
+progress.close()
+if board:
+    board.close()
 
 # ---- summary, plot ------------------------------------------------------------------------------
 dist.barrier()
@@ -360,18 +410,11 @@ if master and totals["steps"]:
     log(f"done: {args.optimizer} val loss {final_val:.4f}, replicate {summary['replicate_bytes_per_step']:,} B/step, "
         f"wall {summary['wall_s']} s; wrote {metrics_path}")
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from plot import plot_runs
     except ImportError:
         log("plot: matplotlib is not installed, no loss.png (pip install -e '.[train]')")
     else:
-        figure, axes = plt.subplots(figsize=(6, 4))
-        for column in ("train_loss", "val_loss"):
-            points = [(int(r["step"]), float(r[column])) for r in rows if r[column] != ""]
-            axes.plot(*zip(*points), label=column.replace("_", " "), marker="o" if column == "val_loss" else None)
-        axes.set(xlabel="step", ylabel="loss (nats/byte)", title=f"{args.optimizer}, {args.replicate} replicas × {args.shard} shards")
-        axes.legend()
-        figure.savefig(args.out_dir / "loss.png", dpi=100, bbox_inches="tight")
+        plot_runs([args.out_dir], args.out_dir / "loss.png",
+                  title=f"{args.optimizer}, {args.replicate} replicas × {args.shard} shards")
         log(f"plot: wrote {args.out_dir / 'loss.png'}")
 dist.destroy_process_group()

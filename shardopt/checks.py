@@ -1,0 +1,173 @@
+"""Input checks that run before any state changes: constructor options, the gradients a step
+receives, the state dict a load receives. Metadata only (types, shapes, dtypes, layouts,
+placements): no device sync, no collective. Each error names the parameter or tensor, what was
+given, what is allowed, and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .dion import oriented_shape, rank_of
+from .hyperparams import validate_group
+from .placement import is_dtensor, local, matrix_layout
+
+NONFINITE = ("skip", "raise")
+
+# torch.optim keywords shardopt refuses, and what it does instead.
+TORCH_OPTIM_FLAGS = {
+    "foreach": "shardopt always batches: same-layout matrices are stacked into one tensor per bucket and the "
+               "element-wise groups use torch._foreach kernels; there is no per-tensor loop to switch to",
+    "fused": "shardopt has no fused kernel; its step is stacked tensor math plus its own collectives",
+    "capturable": "a shardopt step cannot be captured in a CUDA graph: it issues collectives and reads one "
+                  "non-finite flag on the host (see nonfinite=)",
+    "differentiable": "a shardopt step runs under torch.no_grad() (QR, sign votes and collectives have no "
+                      "useful gradient)",
+}
+
+
+def check_options(*, seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize, **torch_flags) -> None:
+    """The ShardOptimizer keyword options (not the param-group hyperparameters)."""
+    for name, value in torch_flags.items():
+        if value is not None:
+            raise TypeError(f"{name}={value!r} is a torch.optim option shardopt does not take: "
+                            f"{TORCH_OPTIM_FLAGS[name]}. Remove {name}=")
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"Invalid nonfinite: {nonfinite!r}; allowed: {', '.join(map(repr, NONFINITE))}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"Invalid seed: {seed!r}; seed must be an integer, the same on every rank")
+    _real("agreement_timeout_s", agreement_timeout_s, "a number of seconds > 0", lambda v: v > 0)
+    _real("max_grad_norm", max_grad_norm, "a number ≥ 0 (0 turns clipping off)", lambda v: v >= 0)
+    if not isinstance(maximize, bool):
+        raise ValueError(f"Invalid maximize: {maximize!r}; maximize must be True or False")
+
+
+def _real(name: str, value, allowed: str, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"Invalid {name}: {value!r}; {name} must be {allowed}")
+
+
+# Group keys torch.optim or an LR scheduler put in a group besides the hyperparameters.
+GROUP_BOOKKEEPING = ("params", "param_names", "algorithm", "initial_lr")
+
+
+def check_group_keys(group: dict, index: int, defaults: dict) -> None:
+    """No unknown key in a param group (a misspelt hyperparameter would otherwise be ignored)."""
+    unknown = sorted(key for key in group if key not in defaults and key not in GROUP_BOOKKEEPING)
+    if unknown:
+        import difflib
+        hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, list(defaults), 1))
+                 else repr(key) for key in unknown]
+        raise ValueError(f"param group {index} has unknown keys {', '.join(hints)}; known keys: "
+                         f"{', '.join(sorted(defaults))}")
+
+
+# ---- step: the gradients ---------------------------------------------------------------------------
+def check_gradients(labeled_params) -> None:
+    """Every gradient a step will read must be a dense tensor like its param: same shape, dtype,
+    device, and the same DTensor placement (or plain, for a plain param).
+
+    labeled_params: (param, label) pairs; params without a gradient are skipped."""
+    for param, label in labeled_params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if grad.layout != torch.strided:
+            raise ValueError(f"param {label} has a {grad.layout} gradient; shardopt needs dense gradients "
+                             f"(build nn.Embedding / nn.EmbeddingBag with sparse=False, or call grad.to_dense())")
+        if is_dtensor(param) != is_dtensor(grad):
+            raise ValueError(f"param {label} is {'a DTensor' if is_dtensor(param) else 'a plain tensor'} but its "
+                             f"gradient is {'a DTensor' if is_dtensor(grad) else 'a plain tensor'}; gradients must be "
+                             f"placed like their params (let FSDP2's backward produce them)")
+        if is_dtensor(param) and tuple(grad.placements) != tuple(param.placements):
+            raise ValueError(f"param {label} is placed {param.placements} but its gradient {grad.placements}; "
+                             f"gradients must be placed like their params")
+        for what, have, want in (("shape", tuple(grad.shape), tuple(param.shape)),
+                                 ("local shape", tuple(local(grad).shape), tuple(local(param).shape)),
+                                 ("dtype", grad.dtype, param.dtype), ("device", grad.device, param.device)):
+            if have != want:
+                raise ValueError(f"param {label} has {what} {want} but its gradient has {what} {have}; a gradient "
+                                 f"must match its param (for mixed precision keep fp32 gradients on fp32 params, "
+                                 f"e.g. FSDP2 MixedPrecisionPolicy(reduce_dtype=torch.float32))")
+
+
+# ---- load: the state dict ----------------------------------------------------------------------------
+def expected_state_shapes(param: torch.Tensor, group: dict, keys) -> dict:
+    """{state key: (global shape, local shape)} of the tensors `keys` of `param`'s state."""
+    shapes = {}
+    for key in keys:
+        if key == "Q":   # b×r, rows split like the param's when the shard axis splits b
+            layout = matrix_layout(param)
+            b, r = oriented_shape(layout)[1], rank_of(layout, group)
+            shapes[key] = ((b, r), (layout.rows if layout.sharded else b, r))
+        else:            # momentum, exp_avg, exp_avg_sq: like the param
+            shapes[key] = (tuple(param.shape), tuple(local(param).shape))
+    return shapes
+
+
+def check_state_dict(state_dict, param_groups: list[dict], labels: dict, state_keys: dict) -> None:
+    """A state dict that `load_state_dict` may load into these param groups, or ValueError naming
+    the group / param / tensor that does not fit (before torch.optim copies anything).
+
+    labels: param → its name for errors; state_keys: algorithm → the tensor keys of its state."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(f"not an optimizer state dict (got {keys}); expected the dict of "
+                         f"optimizer.state_dict() with 'state' and 'param_groups'")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(param_groups)}; "
+                         f"build the optimizer with the same param groups as the one that saved it")
+    owner = {}
+    for index, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        algorithm = saved.get("algorithm")
+        if algorithm is None:
+            raise ValueError(f"param group {index} of the state dict has no 'algorithm': it was not saved by a "
+                             f"shardopt optimizer (a torch.optim one?); load a shardopt optimizer's state_dict()")
+        if algorithm != group["algorithm"]:
+            raise ValueError(f"param group {index} of the state dict holds {algorithm!r} state but this optimizer's "
+                             f"group {index} runs {group['algorithm']!r}; load a state saved with the same "
+                             f"algorithm (or start this group's state fresh)")
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"param group {index} of the state dict has {len(saved['params'])} params, this "
+                             f"optimizer's {len(group['params'])}; build the optimizer from the same model")
+        validate_group({**group, **saved}, index)
+        for key, param in zip(saved["params"], group["params"]):
+            owner[key] = (param, {**group, **saved})
+    for key, param_state in state_dict["state"].items():
+        if key not in owner:
+            raise ValueError(f"the state dict holds state for param {key!r}, which no param group lists")
+        param, group = owner[key]
+        _check_param_state(param_state, param, group, labels[param], state_keys[group["algorithm"]])
+
+
+def _check_param_state(param_state, param, group: dict, label: str, keys) -> None:
+    where = f"the state of param {label} ({group['algorithm']!r})"
+    if not isinstance(param_state, dict):
+        raise ValueError(f"{where} is a {type(param_state).__name__}, not a dict of tensors")
+    wanted = set(keys) | {"step"}
+    if param_state.keys() != wanted:
+        missing, extra = sorted(wanted - param_state.keys()), sorted(param_state.keys() - wanted)
+        raise ValueError(f"{where} has keys {sorted(param_state)}; expected {sorted(wanted)}"
+                         + (f" (missing {missing})" if missing else "") + (f" (unexpected {extra})" if extra else "")
+                         + "; was it saved by another algorithm or optimizer?")
+    step = param_state["step"]
+    step_value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if isinstance(step_value, bool) or not isinstance(step_value, numbers.Real) or not math.isfinite(step_value) \
+            or step_value < 0:
+        raise ValueError(f"{where}: 'step' is {step!r}; expected a finite count ≥ 0")
+    for key, (global_shape, local_shape) in expected_state_shapes(param, group, keys).items():
+        value = param_state[key]
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{where}: {key!r} is a {type(value).__name__}, not a tensor")
+        if not value.dtype.is_floating_point:
+            raise ValueError(f"{where}: {key!r} has dtype {value.dtype}; optimizer state is floating point")
+        shape = tuple(value.shape)
+        if shape != (global_shape if is_dtensor(value) else local_shape):
+            raise ValueError(f"{where}: {key!r} has shape {shape} but this optimizer expects {global_shape}"
+                             + (f" (this rank's shard: {local_shape})" if local_shape != global_shape else "")
+                             + "; was it saved for another model, rank_fraction or mesh? (to change the world "
+                               "size, load through torch.distributed.checkpoint, which reshards)")
