@@ -146,9 +146,13 @@ def _run(commands: list[list[str]], log: Path, timeout_s: float, extra_env: dict
 
 
 # ---- reading a run back -----------------------------------------------------------------------
-def read_metrics(out_dir: Path) -> list[dict]:
-    with (Path(out_dir) / "metrics.csv").open() as f:
+def read_csv(path: Path) -> list[dict]:
+    with Path(path).open() as f:
         return list(csv.DictReader(f))
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return read_csv(Path(out_dir) / "metrics.csv")
 
 
 @dataclass
