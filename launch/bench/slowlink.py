@@ -37,6 +37,7 @@ import subprocess
 from pathlib import Path
 
 import runs
+from convergence import best_table
 
 RATES = {"gbit": 1000, "mbit": 1, "kbit": 0.001}
 
@@ -67,18 +68,8 @@ def two_nodes(prefix: str, rate: str):
 
 
 def best_lrs(path: Path) -> dict[str, float]:
-    """method → lr with the lowest mean final val loss in a convergence CSV."""
-    import csv
-    by = {}
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            by.setdefault((row["method"], float(row["lr"])), []).append(float(row["final_val_loss"]))
-    best = {}
-    for (method, lr), losses in by.items():
-        mean = sum(losses) / len(losses)
-        if method not in best or mean < best[method][1]:
-            best[method] = (lr, mean)
-    return {method: lr for method, (lr, _) in best.items()}
+    """method → its best lr (lowest mean final val loss over seeds) in a convergence CSV."""
+    return {entry["method"]: float(entry["lr"]) for entry in best_table(runs.read_csv(path))}
 
 
 def row(method: runs.Method, rate: float, procs: int, lr: float, summary: runs.Summary, wire: float | str,
