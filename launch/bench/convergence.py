@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
     parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe",
+                        help="vocabulary: BPE-4096 (python integrations/data.py --tokenizer bpe) or bytes (256)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=4)
@@ -80,17 +82,22 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, default=runs.ROOT / "results" / "convergence.csv")
     args = parser.parse_args()
     chosen = runs.select(runs.methods(args.n_embd), args.methods)
-    model = runs.model_args(args.steps, args.n_embd, args.n_layer, args.batch_size, args.block_size, args.eval_every,
+    model = runs.model_args(args.tokenizer, args.steps, args.n_embd, args.n_layer, args.batch_size, args.block_size, args.eval_every,
                             args.eval_batches, args.warmup)
-    print(f"convergence: vocabulary bytes (256); 2 × 2 ranks; {args.steps} steps; "
+    print(f"convergence: vocabulary {args.tokenizer}; 2 × 2 ranks; {args.steps} steps; "
           f"{len(chosen)} methods × {len(args.lr_factors)} lrs × {len(args.seeds)} seeds", flush=True)
-    rows, curves = [], {}
+    rows, curves, failed = [], {}, []
     for method in chosen:
         for factor in args.lr_factors:
             lr = f"{method.lr * factor:g}"
             for seed in args.seeds:
                 out = args.work_dir / f"{method.name.replace('/', '_')}_lr{lr}_seed{seed}"
-                runs.run_local(method.command(float(lr), seed, out, model, 2, 2), 4, out / "log.txt", args.run_timeout)
+                try:
+                    runs.run_local(method.command(float(lr), seed, out, model, 2, 2), 4, out / "log.txt", args.run_timeout)
+                except RuntimeError as error:          # one failed run does not end the campaign
+                    failed.append(f"{method.name} lr {lr} seed {seed}: {str(error)[:200]}")
+                    print(f"FAILED {failed[-1]}", flush=True)
+                    continue
                 summary = runs.summarize(runs.read_metrics(out))
                 rows.append({"method": method.name, "lr": lr, "seed": seed, "steps": summary.steps,
                              "final_val_loss": f"{summary.final_val_loss:.4f}",
@@ -105,6 +112,8 @@ def main() -> None:
     png = args.csv.with_suffix(".png")
     plot(curves, best, png)
     print(f"wrote {args.csv}, {best_csv} and {png}")
+    if failed:
+        raise SystemExit("these runs failed (their rows are missing; logs under --work-dir):\n" + "\n".join(failed))
 
 
 if __name__ == "__main__":

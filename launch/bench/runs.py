@@ -95,10 +95,10 @@ def select(all_methods: list[Method], names: list[str] | None) -> list[Method]:
     return [by_name[n] for n in names]
 
 
-def model_args(steps: int, n_embd: int, n_layer: int, batch_size: int, block_size: int, eval_every: int,
-               eval_batches: int, warmup: int) -> list[str]:
+def model_args(tokenizer: str, steps: int, n_embd: int, n_layer: int, batch_size: int, block_size: int,
+               eval_every: int, eval_batches: int, warmup: int) -> list[str]:
     """Model, data and schedule options, the same for both entry points; log every step (median step time)."""
-    return ["--steps", str(steps), "--n-embd", str(n_embd), "--n-layer", str(n_layer), "--n-head", "4",
+    return ["--tokenizer", tokenizer, "--steps", str(steps), "--n-embd", str(n_embd), "--n-layer", str(n_layer), "--n-head", "4",
             "--batch-size", str(batch_size), "--block-size", str(block_size), "--eval-every", str(eval_every),
             "--eval-batches", str(eval_batches), "--warmup", str(warmup), "--log-every", "1"]
 

@@ -21,8 +21,10 @@ per node (P processes each): shardopt's methods on a (replicate 2, shard P) mesh
                               ≤ the target; inf when not reached
     final_val_loss
 
-Vocabulary: the byte-level (256) Shakespeare data of integrations/data.py. The namespaces are always
-deleted at the end (also on an error or SIGTERM); NETNS_PREFIX picks their names (default bench).
+Vocabulary: --tokenizer bpe (default; BPE-4096 of integrations/data.py --tokenizer bpe) or byte (256);
+the runs print it. Methods with "_lion" use shardopt's 1-bit Lion vote for the embeddings and norms
+instead of AdamW with a full-precision mean. The namespaces are always deleted at the end (also on
+an error or SIGTERM); NETNS_PREFIX picks their names (default bench).
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
     parser.add_argument("--lr-from", type=Path, default=None,
                         help="a convergence CSV: each method at its best lr there (default: the method's default)")
+    parser.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe",
+                        help="vocabulary: BPE-4096 (python integrations/data.py --tokenizer bpe) or bytes (256)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=4)
@@ -124,13 +128,13 @@ def main() -> None:
     chosen = runs.select(runs.methods(args.n_embd), args.methods)
     baseline = runs.select(runs.methods(args.n_embd), ["ddp_adamw"])[0]
     lrs = best_lrs(args.lr_from) if args.lr_from else {}
-    model = runs.model_args(args.steps, args.n_embd, args.n_layer, args.batch_size, args.block_size, args.eval_every,
+    model = runs.model_args(args.tokenizer, args.steps, args.n_embd, args.n_layer, args.batch_size, args.block_size, args.eval_every,
                             args.eval_batches, args.warmup)
     prefix = os.environ.get("NETNS_PREFIX", "bench")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))   # so `finally` tears down
     ports = itertools.count(29650)
-    rows, curves, targets = [], {}, {}
-    print(f"slowlink: vocabulary bytes (256); {args.steps} steps; methods {', '.join(m.name for m in chosen)}", flush=True)
+    rows, curves, targets, failed = [], {}, {}, []
+    print(f"slowlink: vocabulary {args.tokenizer}; {args.steps} steps; methods {', '.join(m.name for m in chosen)}", flush=True)
     for procs in args.procs_per_node:
         out = args.work_dir / f"p{procs}_unlimited_ddp_adamw"
         lr = lrs.get(baseline.name, baseline.lr)
@@ -145,18 +149,25 @@ def main() -> None:
                     out = args.work_dir / f"p{procs}_{rate}_{method.name.replace('/', '_')}"
                     lr = lrs.get(method.name, method.lr)
                     before = wire_tx(prefix)
-                    runs.run_two_nodes(method.command(lr, args.seed, out, model, 2, procs), procs, prefix,
-                                       next(ports), out / "log.txt", args.run_timeout)
+                    try:
+                        runs.run_two_nodes(method.command(lr, args.seed, out, model, 2, procs), procs, prefix,
+                                           next(ports), out / "log.txt", args.run_timeout)
+                    except RuntimeError as error:      # one failed run does not end a day-long campaign
+                        failed.append(f"{method.name} at {rate}, {procs} proc/node: {str(error)[:200]}")
+                        print(f"FAILED {failed[-1]}", flush=True)
+                        continue
                     summary = runs.summarize(runs.read_metrics(out))
                     rows.append(row(method, mbit, procs, lr, summary, (wire_tx(prefix) - before) / summary.steps,
                                     targets[procs]))
                     curves[(procs, mbit, method.name)] = summary.curve
                     print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-            runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, rows)   # after each rate: a partial file is usable
+                    runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, rows)   # after each run: a partial file is usable
     runs.print_table(rows)
     png = args.csv.with_suffix(".png")
     plot(curves, targets, png)
     print(f"wrote {args.csv} and {png}")
+    if failed:
+        raise SystemExit("these runs failed (their rows are missing; logs under --work-dir):\n" + "\n".join(failed))
 
 
 if __name__ == "__main__":

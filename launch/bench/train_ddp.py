@@ -14,11 +14,13 @@ embeddings (tied head) and norms get AdamW at `--scalar-lr` without decay.
     localsgd   DDP + torch's post-local-SGD hook (no gradient exchange between nodes after
                --local-start steps) + PeriodicModelAverager every --local-period steps + AdamW
     signsgd    signSGD with majority vote (Bernstein et al. 2018, Signum form): each rank's sign of
-               its own momentum m ← β·m + (1−β)·g, majority vote over all ranks through shardopt.vote
-               (1 bit per entry), x ← (1 − lr·wd)·x − lr·V on every parameter; no DDP gradient mean
+               its own momentum m ← β·m + (1−β)·g, majority vote over all ranks (1 bit per entry),
+               x ← (1 − lr·wd)·x − lr·V on every parameter; no DDP gradient mean. It is shardopt's
+               "lion" group with betas (β, β) (Lion's direction sign(β·m + (1−β)·g) is then the sign
+               of the new momentum) on every parameter, the world as replicate axis: no polar step
 
 Bytes: DDP-based methods count the all-reduces torch's hooks issue (launch/bench/counting.py);
-signsgd counts its vote in shardopt's comm layer. `replicate_bytes_per_step` is what one rank sends
+signsgd's vote is counted by shardopt's comm layer. `replicate_bytes_per_step` is what one rank sends
 per step on groups that span nodes; a node is --ranks-per-node consecutive ranks (default: torchrun's
 LOCAL_WORLD_SIZE), so one machine can stand for several nodes (--standalone with --ranks-per-node 2).
 """
@@ -43,8 +45,6 @@ import data  # noqa: E402
 import shardopt  # noqa: E402
 from counting import CountingAllReduce  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from shardopt.comm import Axis  # noqa: E402
-from shardopt.vote import resolve_vote, vote  # noqa: E402
 
 METHODS = ("ddp_adamw", "ddp_muon", "powersgd", "localsgd", "signsgd")
 FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "step_ms", "replicate_bytes_per_step",
@@ -74,9 +74,11 @@ parser.add_argument("--log-every", type=int, default=10)
 parser.add_argument("--eval-every", type=int, default=50)
 parser.add_argument("--eval-batches", type=int, default=8)
 parser.add_argument("--out-dir", type=Path, required=True)
-parser.add_argument("--data-dir", type=Path, default=data.default_cache() / "shakespeare")
+parser.add_argument("--tokenizer", choices=data.TOKENIZERS, default="byte", help="byte (vocab 256) or bpe (4096)")
+parser.add_argument("--data-dir", type=Path, default=None, help="default: the prepared data of --tokenizer")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
+args.data_dir = args.data_dir or data.data_dir(data.default_cache(), args.tokenizer)
 
 dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -95,18 +97,17 @@ def batch(split: str, step: int):
 
 
 torch.manual_seed(args.seed)
-model = GPT(GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+model = GPT(GPTConfig(vocab_size=data.vocab_size(args.data_dir), block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                       n_embd=args.n_embd)).to(device)
 matrices, scalars = shardopt.param_groups(model, "muon", "adamw")   # the split shardopt uses
 counter = CountingAllReduce(local_world).install()
-vote_axis = Axis("replicate", dist.group.WORLD)
 adamw = dict(betas=(0.9, 0.95), eps=1e-8)
 if args.method == "signsgd":
     net = model                                                     # no gradient mean: the vote is the exchange
-    optimizers = []
-    params = [p for p in model.parameters()]
-    momenta = [torch.zeros_like(p) for p in params]
-    decays = [args.weight_decay if any(p is q for q in matrices["params"]) else 0.0 for p in params]
+    signum = dict(algorithm="lion", betas=(args.momentum, args.momentum), lr=args.lr)
+    optimizers = [shardopt.ShardOptimizer([matrices | signum | {"weight_decay": args.weight_decay},
+                                           scalars | signum | {"weight_decay": 0.0}], {},
+                                          replicate_mesh=dist.group.WORLD, seed=args.seed)]
 else:
     net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if args.method == "powersgd":
@@ -127,17 +128,6 @@ else:
     else:
         matrix_opt = torch.optim.AdamW(matrices["params"], lr=args.lr, weight_decay=args.weight_decay, **adamw)
     optimizers = [matrix_opt, scalar_opt]
-
-
-@torch.no_grad()
-def signsgd_step(lr: float, step: int) -> None:
-    """m ← β·m + (1−β)·g;  V = vote(sign(m)) over all ranks;  x ← (1 − lr·wd)·x − lr·V."""
-    torch._foreach_lerp_(momenta, [p.grad for p in params], 1 - args.momentum)
-    positive = torch.cat([(m >= 0).reshape(-1) for m in momenta])
-    fmt = resolve_vote("auto", positive.numel(), vote_axis.size)
-    voted = vote(positive, vote_axis, fmt, seed=args.seed * 1_000_003 + step).to(params[0].dtype)
-    for p, v, decay in zip(params, voted.split([p.numel() for p in params]), decays):
-        p.mul_(1 - lr * decay).add_(v.view_as(p), alpha=-lr)
 
 
 def lr_multiplier(step: int) -> float:
@@ -164,7 +154,7 @@ def evaluate() -> float:
 rows = []
 if master:
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"{args.method}: {model.num_params():,} params, {world} ranks ({local_world} per node), lr {args.lr:g}",
+    print(f"{args.method}: {args.tokenizer} vocabulary, {model.num_params():,} params, {world} ranks ({local_world} per node), lr {args.lr:g}",
           flush=True)
 
 
@@ -179,7 +169,7 @@ def write_row(row: dict) -> None:
 
 write_row({"step": 0, "tokens": 0, "val_loss": f"{evaluate():.6f}", "elapsed_s": 0})
 counter.reset()
-vote_axis.reset_stats()
+voted = optimizers[0] if args.method == "signsgd" else None     # its bytes: shardopt's comm layer
 loop_started = time.perf_counter()
 window = dict(loss=0.0, steps=0, seconds=0.0, between=0, within=0)
 for step in range(1, args.steps + 1):
@@ -191,23 +181,21 @@ for step in range(1, args.steps + 1):
             group["lr"] = group["base_lr"] * lr
     _, loss = net(*batch("train", step))
     loss.backward()
-    if args.method == "signsgd":
-        signsgd_step(args.lr * lr, step)
-    else:
-        for optimizer in optimizers:
-            optimizer.step()
-        if args.method == "localsgd":
-            averager.average_parameters(model.parameters())
+    for optimizer in optimizers:
+        optimizer.step()
+    if args.method == "localsgd":
+        averager.average_parameters(model.parameters())
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
     window["seconds"] += time.perf_counter() - tick
     window["steps"] += 1
     window["loss"] += loss.item()
-    window["between"] += counter.between_nodes + vote_axis.bytes_sent
+    window["between"] += counter.between_nodes + (voted.comm_stats()["replicate"]["bytes_sent"] if voted else 0)
     window["within"] += counter.within_node
     counter.reset()
-    vote_axis.reset_stats()
+    if voted:
+        voted.reset_comm_stats()
     evaluate_now = args.eval_every and (step % args.eval_every == 0 or step == args.steps)
     if step % args.log_every == 0 or evaluate_now or step == args.steps:
         n = window["steps"]
