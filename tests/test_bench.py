@@ -69,6 +69,28 @@ def test_counting_powersgd_bytes_equal_low_rank_formula(pool, rank):
     assert (between, calls) == (expected, 3)
 
 
+def _averaged_bytes(period: int, steps: int):
+    """Bytes counted per call of torch's PeriodicModelAverager.average_parameters (local SGD's exchange)."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from counting import CountingAllReduce
+
+    model = torch.nn.Linear(N, M)
+    model(torch.ones(1, N)).sum().backward()   # the averager skips parameters without a gradient
+    counter = CountingAllReduce(1).install()
+    averager = PeriodicModelAverager(period=period, warmup_steps=0)
+    per_step = []
+    for _ in range(steps):
+        counter.reset()
+        averager.average_parameters(model.parameters())
+        per_step.append(counter.between_nodes)
+    return per_step
+
+
+def test_counting_sees_local_sgd_model_averaging_every_period(pool):
+    full = collective_bytes("all_reduce", 4 * (M * N + M), 2)
+    assert pool.run(_averaged_bytes, 3, 6)[0] == [full, 0, 0, full, 0, 0]
+
+
 def _rows(points):
     """metrics.csv rows: step 0 eval, then one row per step with step_ms, bytes and maybe a val loss."""
     rows = [{"step": "0", "step_ms": "", "replicate_bytes_per_step": "", "val_loss": "5.0"}]
