@@ -51,12 +51,13 @@ def plot(curves: dict, best: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
-    for entry in best:
+    for index, entry in enumerate(best):
+        color = plt.cm.tab20.colors[index % 20]                    # 11+ methods: more than the default 10 colours
         curve = curves[(entry["method"], entry["lr"], min(s for m, lr, s in curves if (m, lr) == (entry["method"], entry["lr"])))]
         label = f"{entry['method']} (lr {entry['lr']})"
-        by_step.plot([c[0] for c in curve], [c[2] for c in curve], marker=".", label=label)
+        by_step.plot([c[0] for c in curve], [c[2] for c in curve], marker=".", label=label, color=color)
         trained = [c for c in curve if c[0] > 0]                    # (step 0 sent nothing: no place on a log axis)
-        by_bytes.plot([c[3] for c in trained], [c[2] for c in trained], marker=".", label=label)
+        by_bytes.plot([c[3] for c in trained], [c[2] for c in trained], marker=".", label=label, color=color)
     by_step.set(xlabel="step", ylabel="val loss", title="val loss vs step (best lr, first seed)")
     by_bytes.set(xlabel="replicate bytes sent by one rank", ylabel="val loss", xscale="log", title="val loss vs bytes")
     by_step.legend(fontsize=7)

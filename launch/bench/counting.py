@@ -11,7 +11,9 @@ from future callbacks), with the same formula as shardopt's comm layer (ring all
 sends 2·(M−1)·S/M bytes for an S-byte input over M ranks; `shardopt.comm.collective_bytes`).
 
 Bytes are kept per kind of group: `between_nodes` (a group with ranks on more than one node:
-the slow link, what shardopt calls the replicate axis) and `within_node`. A node is
+the slow link, what shardopt calls the replicate axis) and `within_node`. A group that spans nodes
+counts its whole ring volume, also the hops of the ring that stay inside a node (with 2 ranks per
+node, a 4-rank ring crosses the link on 2 of its 4 hops; the veth counters show that part). A node is
 global_rank // local_world_size (torchrun numbers the ranks of a node contiguously).
 
 Plain DDP without a registered hook all-reduces in C++ where nothing can count it; the bench

@@ -91,9 +91,10 @@ def plot(curves: dict, targets: dict, path: Path) -> None:
     panels = sorted({key[:2] for key in curves})
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for axis, (procs, rate) in zip(axes[0], panels):
-        for (p, r, name), curve in curves.items():
-            if (p, r) == (procs, rate):
-                axis.plot([c[1] for c in curve], [c[2] for c in curve], marker=".", label=name)
+        shown = [(name, curve) for (p, r, name), curve in curves.items() if (p, r) == (procs, rate)]
+        for index, (name, curve) in enumerate(shown):
+            axis.plot([c[1] for c in curve], [c[2] for c in curve], marker=".", label=name,
+                      color=plt.cm.tab20.colors[index % 20])
         axis.axhline(targets[procs], color="gray", linestyle="--", label="target")
         axis.set(xlabel="training seconds", ylabel="val loss", title=f"{rate:g} Mbit/s, {procs} proc/node")
         axis.legend(fontsize=7)
