@@ -97,8 +97,8 @@ def batch(split: str, step: int):
 
 
 torch.manual_seed(args.seed)
-model = GPT(GPTConfig(vocab_size=data.vocab_size(args.data_dir), block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                      n_embd=args.n_embd)).to(device)
+model = GPT(GPTConfig(vocab_size=data.vocab_size(args.data_dir), block_size=args.block_size, n_layer=args.n_layer,
+                      n_head=args.n_head, n_embd=args.n_embd)).to(device)
 matrices, scalars = shardopt.param_groups(model, "muon", "adamw")   # the split shardopt uses
 counter = CountingAllReduce(local_world).install()
 adamw = dict(betas=(0.9, 0.95), eps=1e-8)
@@ -154,8 +154,8 @@ def evaluate() -> float:
 rows = []
 if master:
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"{args.method}: {args.tokenizer} vocabulary, {model.num_params():,} params, {world} ranks ({local_world} per node), lr {args.lr:g}",
-          flush=True)
+    print(f"{args.method}: {args.tokenizer} vocabulary, {model.num_params():,} params, {world} ranks "
+          f"({local_world} per node), lr {args.lr:g}", flush=True)
 
 
 def write_row(row: dict) -> None:
