@@ -6,12 +6,14 @@
 
 Needs root (network namespaces), iproute2 and the prepared data (python integrations/data.py).
 For each procs-per-node P: first `ddp_adamw` runs on this machine without a link limit (2·P ranks,
-torchrun --standalone); its final val loss is the target. Then for each rate, launch/netns/twonode.sh
+torchrun --standalone); its final val loss is the target. With --unlimited all (default) every
+other method runs there too: its step_ms there is its compute, and the difference to its step_ms
+at a rate is what the link adds (the communication/compute split). Then for each rate, launch/netns/twonode.sh
 makes two namespaces joined by a veth pair limited to the rate, and each method runs as one torchrun
 per node (P processes each): shardopt's methods on a (replicate 2, shard P) mesh, the DDP ones on
 2·P ranks. Columns (results/slowlink.csv):
 
-    method, rate_mbit (inf: the unlimited target run), procs_per_node, lr, steps,
+    method, rate_mbit (inf: no link limit, this machine), procs_per_node, lr, steps,
     step_ms                   median step time (compute + communication, from every step)
     replicate_bytes_per_step  bytes one rank sends per step between nodes, counted (shardopt's comm
                               layer; for DDP-based methods the all-reduces torch's hooks issue)
@@ -96,7 +98,8 @@ def plot(curves: dict, targets: dict, path: Path) -> None:
             axis.plot([c[1] for c in curve], [c[2] for c in curve], marker=".", label=name,
                       color=plt.cm.tab20.colors[index % 20])
         axis.axhline(targets[procs], color="gray", linestyle="--", label="target")
-        axis.set(xlabel="training seconds", ylabel="val loss", title=f"{rate:g} Mbit/s, {procs} proc/node")
+        axis.set(xlabel="training seconds", ylabel="val loss",
+                 title=f"{'no limit' if math.isinf(rate) else f'{rate:g} Mbit/s'}, {procs} proc/node")
         axis.legend(fontsize=7)
     figure.savefig(path, dpi=100, bbox_inches="tight")
 
@@ -119,6 +122,9 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--unlimited", choices=("all", "baseline"), default="all",
+                        help="which methods also run without a link limit (rate_mbit inf): all (their compute-only "
+                             "step time, for the communication/compute split) or only the ddp_adamw target run")
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     parser.add_argument("--work-dir", type=Path, default=runs.ROOT / "runs" / "slowlink")
     parser.add_argument("--csv", type=Path, default=runs.ROOT / "results" / "slowlink.csv")
@@ -136,33 +142,42 @@ def main() -> None:
     ports = itertools.count(29650)
     rows, curves, targets, failed = [], {}, {}, []
     print(f"slowlink: vocabulary {args.tokenizer}; {args.steps} steps; methods {', '.join(m.name for m in chosen)}", flush=True)
-    for procs in args.procs_per_node:
-        out = args.work_dir / f"p{procs}_unlimited_ddp_adamw"
-        lr = lrs.get(baseline.name, baseline.lr)
-        runs.run_local(baseline.command(lr, args.seed, out, model, 2, procs), 2 * procs, out / "log.txt", args.run_timeout)
+    def measure(method: runs.Method, procs: int, rate: str | None) -> runs.Summary | None:
+        """One run (rate None: on this machine, no link limit); appends its row, or notes its failure."""
+        out = args.work_dir / f"p{procs}_{rate or 'unlimited'}_{method.name.replace('/', '_')}"
+        lr = lrs.get(method.name, method.lr)
+        argv = method.command(lr, args.seed, out, model, 2, procs)
+        before = wire_tx(prefix) if rate else 0
+        try:
+            if rate:
+                runs.run_two_nodes(argv, procs, prefix, next(ports), out / "log.txt", args.run_timeout)
+            else:
+                runs.run_local(argv, 2 * procs, out / "log.txt", args.run_timeout)
+        except RuntimeError as error:      # one failed run does not end a day-long campaign
+            failed.append(f"{method.name} at {rate or 'no limit'}, {procs} proc/node: {str(error)[:200]}")
+            print(f"FAILED {failed[-1]}", flush=True)
+            return None
         summary = runs.summarize(runs.read_metrics(out))
-        targets[procs] = summary.final_val_loss
-        rows.append(row(baseline, math.inf, procs, lr, summary, "", targets[procs]))
+        targets.setdefault(procs, summary.final_val_loss)    # the first run of each P is ddp_adamw's unlimited one
+        mbit = rates[rate] if rate else math.inf
+        wire = (wire_tx(prefix) - before) / summary.steps if rate else ""
+        rows.append(row(method, mbit, procs, lr, summary, wire, targets[procs]))
+        curves[(procs, mbit, method.name)] = summary.curve
+        print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+        runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, rows)   # after each run: a partial file is usable
+        return summary
+
+    for procs in args.procs_per_node:
+        if measure(baseline, procs, None) is None:
+            raise SystemExit(f"the target run (ddp_adamw without a link limit, {procs} proc/node) failed:\n{failed[-1]}")
         print(f"target ({procs} proc/node): ddp_adamw unlimited final val loss {targets[procs]:.4f}", flush=True)
-        for rate, mbit in rates.items():
+        for method in chosen if args.unlimited == "all" else []:
+            if method.name != baseline.name:
+                measure(method, procs, None)
+        for rate in rates:
             with two_nodes(prefix, rate):
                 for method in chosen:
-                    out = args.work_dir / f"p{procs}_{rate}_{method.name.replace('/', '_')}"
-                    lr = lrs.get(method.name, method.lr)
-                    before = wire_tx(prefix)
-                    try:
-                        runs.run_two_nodes(method.command(lr, args.seed, out, model, 2, procs), procs, prefix,
-                                           next(ports), out / "log.txt", args.run_timeout)
-                    except RuntimeError as error:      # one failed run does not end a day-long campaign
-                        failed.append(f"{method.name} at {rate}, {procs} proc/node: {str(error)[:200]}")
-                        print(f"FAILED {failed[-1]}", flush=True)
-                        continue
-                    summary = runs.summarize(runs.read_metrics(out))
-                    rows.append(row(method, mbit, procs, lr, summary, (wire_tx(prefix) - before) / summary.steps,
-                                    targets[procs]))
-                    curves[(procs, mbit, method.name)] = summary.curve
-                    print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-                    runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, rows)   # after each run: a partial file is usable
+                    measure(method, procs, rate)
     runs.print_table(rows)
     png = args.csv.with_suffix(".png")
     plot(curves, targets, png)
