@@ -1,12 +1,20 @@
-"""Optimizer step time, side by side in one run, on one GPT-2-small layer's matrices.
+"""Optimizer step time and memory per matrix, side by side in one interleaved run.
 
-    python launch/bench_step.py                  # CPU fp32 (or CUDA if available), 7 rounds
-    python launch/bench_step.py --rounds 15 --layers 2 --device cuda
+    python launch/bench_step.py                          # CPU fp32 → results/step_time.csv
+    python launch/bench_step.py --device cuda            # rows tagged with the GPU's name
+    bash launch/bench/step_time_gpu.sh                   # the prepared GPU run (skips without CUDA)
 
-Matrices: {attn.qkv 2304×768, attn.proj 768×768, mlp.fc 3072×768, mlp.proj 768×3072} per layer,
-fp32, one process (no exchange: this measures the compute each optimizer adds). Each round runs
-one step of every optimizer in turn (so machine noise hits all alike); the table gives the median
-over rounds and the ratio to AdamW's median from the same run. Writes results/step_time.csv.
+Matrices: one GPT-2-small layer's {attn.qkv 2304×768, attn.proj 768×768, mlp.fc 3072×768,
+mlp.proj 768×3072} and a square 2048×2048, fp32 parameters, one process (no exchange: this measures
+the compute and memory each optimizer adds). Every round runs one step of every (optimizer, matrix)
+in turn, so machine noise hits all alike; the table gives the median over --rounds (≥ 20 by default)
+and the ratio to fp32 Muon's median on the same matrix from the same run (Newton–Schulz in the
+dtype named; on CPU bf16 matmuls are ~30× slower, so CPU rows use fp32).
+
+Memory: `state_bytes` are the optimizer state tensors of that matrix (momentum, Dion's Q, Adam's
+moments); `peak_step_bytes` is the step's transient peak above what was allocated before it
+(torch.cuda.max_memory_allocated; CUDA only — the CPU allocator keeps no such statistic, so the
+column is empty on CPU). Writes results/step_time.csv (--csv).
 """
 
 from __future__ import annotations
@@ -21,62 +29,95 @@ import torch
 
 import shardopt
 
-SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072)]
-OPTIMIZERS = {
-    "adamw": lambda params: shardopt.Dion([{"params": params, "algorithm": "adamw", "lr": 1e-3}]),
-    "muon (fp32 Newton–Schulz)": lambda params: shardopt.Dion([{"params": params, "algorithm": "muon", "lr": 0.02,
-                                                               "ns_dtype": "float32"}]),
-    "dion rank 1/4": lambda params: shardopt.Dion(params, lr=0.01, rank_fraction=0.25),
-    "dion rank 1/16": lambda params: shardopt.Dion(params, lr=0.01, rank_fraction=1 / 16),
-    "sign-muon": lambda params: shardopt.SignMuon(params, lr=1e-3, ns_dtype="float32"),
-}
+SHAPES = {"attn.qkv": (2304, 768), "attn.proj": (768, 768), "mlp.fc": (3072, 768), "mlp.proj": (768, 3072),
+          "square": (2048, 2048)}
+BASELINE = "muon (fp32 Newton–Schulz)"
+
+
+def optimizers(device: torch.device) -> dict:
+    """Label → builder of a one-matrix optimizer. Sign-Muon and Dion use their defaults for the device."""
+    ns = "bf16" if device.type == "cuda" else "fp32"
+    return {
+        "adamw": lambda p: shardopt.Dion([{"params": [p], "algorithm": "adamw", "lr": 1e-3}]),
+        BASELINE: lambda p: shardopt.Dion([{"params": [p], "algorithm": "muon", "lr": 0.02, "ns_dtype": "float32"}]),
+        "dion rank 1/4": lambda p: shardopt.Dion([p], lr=0.01, rank_fraction=0.25),
+        "dion rank 1/16": lambda p: shardopt.Dion([p], lr=0.01, rank_fraction=1 / 16),
+        f"sign-muon ({ns} Newton–Schulz)": lambda p: shardopt.SignMuon([p], lr=1e-3),
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def state_bytes(optimizer) -> int:
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for k, v in state.items()
+               if isinstance(v, torch.Tensor) and k != "step")
+
+
+def timed_step(optimizer, device: torch.device) -> tuple[float, int | None]:
+    """(seconds, transient peak bytes above the allocation before the step, or None off CUDA)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    optimizer.step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    return seconds, (torch.cuda.max_memory_allocated(device) - before) if cuda else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=21, help="timed rounds (the median is over these)")
+    parser.add_argument("--matrices", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--csv", default=str(Path(__file__).resolve().parents[1] / "results" / "step_time.csv"))
+    parser.add_argument("--csv", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "step_time.csv")
     args = parser.parse_args()
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
     setups = {}
-    for name, build in OPTIMIZERS.items():
-        params = [torch.nn.Parameter(torch.randn(*shape, generator=generator).to(device))
-                  for _ in range(args.layers) for shape in SHAPES]
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=generator).to(device)
-        setups[name] = build(params)
-    times = {name: [] for name in setups}
+    for matrix in args.matrices:
+        for name, build in optimizers(device).items():
+            param = torch.nn.Parameter(torch.randn(*SHAPES[matrix], generator=generator).to(device))
+            param.grad = torch.randn(param.shape, generator=generator).to(device)
+            setups[(name, matrix)] = build(param)
+    times = {key: [] for key in setups}
+    peaks = {key: [] for key in setups}
     for round_index in range(args.rounds + 1):           # round 0 warms up (state init, kernels)
-        for name, optimizer in setups.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+        for key, optimizer in setups.items():
+            seconds, peak = timed_step(optimizer, device)
             if round_index:
-                times[name].append(time.perf_counter() - start)
-    adamw = statistics.median(times["adamw"])
+                times[key].append(seconds)
+                peaks[key].append(peak)
+    name = device_name(device)
+    print(f"optimizer step time and memory per matrix, {name}, median of {args.rounds} interleaved rounds")
+    print(f"{'optimizer':<32}{'matrix':<20}{'median ms':>10}{'vs muon':>9}{'state MB':>10}{'peak MB':>9}")
     rows = []
-    entries = sum(m * n for m, n in SHAPES) * args.layers
-    print(f"optimizer step time, {args.layers} layer(s) of GPT-2-small matrices ({entries:,} entries), "
-          f"{device}, threads={torch.get_num_threads()}, median of {args.rounds} rounds")
-    print(f"{'optimizer':<28}{'median ms':>12}{'min ms':>10}{'vs adamw':>10}")
-    for name, samples in times.items():
+    for (label, matrix), samples in times.items():
         median = statistics.median(samples)
-        rows.append({"optimizer": name, "device": str(device), "layers": args.layers, "rounds": args.rounds,
+        baseline = statistics.median(times[(BASELINE, matrix)])
+        state = state_bytes(setups[(label, matrix)])
+        peak = None if peaks[(label, matrix)][0] is None else max(peaks[(label, matrix)])
+        shape = "×".join(map(str, SHAPES[matrix]))
+        rows.append({"optimizer": label, "matrix": matrix, "shape": shape, "device": name, "rounds": args.rounds,
                      "median_ms": round(median * 1e3, 3), "min_ms": round(min(samples) * 1e3, 3),
-                     "vs_adamw": round(median / adamw, 2)})
-        print(f"{name:<28}{median * 1e3:>12.1f}{min(samples) * 1e3:>10.1f}{median / adamw:>9.2f}×")
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
+                     "vs_muon_fp32": round(median / baseline, 3),
+                     "state_bytes": state, "state_vs_muon_fp32": round(state / state_bytes(setups[(BASELINE, matrix)]), 3),
+                     "peak_step_bytes": "" if peak is None else peak})
+        print(f"{label:<32}{matrix + ' ' + shape:<20}{median * 1e3:>10.1f}{median / baseline:>8.2f}×"
+              f"{state / 1e6:>10.2f}{'' if peak is None else f'{peak / 1e6:.2f}':>9}")
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    with args.csv.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"wrote {args.csv}; rerun: python launch/bench_step.py --rounds {args.rounds} --layers {args.layers}")
+    print(f"wrote {args.csv}; rerun: python launch/bench_step.py --rounds {args.rounds} --device {args.device}")
 
 
 if __name__ == "__main__":

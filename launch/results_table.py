@@ -106,7 +106,7 @@ def tables(paths: list[Path]) -> str:
         with path.open() as f:
             rows = list(csv.DictReader(f))
         shown = path.relative_to(ROOT).as_posix() if path.resolve().is_relative_to(ROOT) else path.as_posix()
-        render = training_table if rows and "final_val_loss" in rows[0] else \
+        render = training_table if rows and {"optimizer", "final_val_loss"} <= set(rows[0]) else \
             comm_table if rows and "vs_ddp_fp32" in rows[0] else plain_table
         parts.append(f"<!-- {shown}: python launch/results_table.py {shown} -->\n{render(rows)}")
     return "\n\n".join(parts)

@@ -1,0 +1,122 @@
+"""Convergence at equal steps and tokens: every method, several learning rates and seeds, no link limit.
+
+    python launch/bench/convergence.py                   # → results/convergence.csv, _best.csv, .png
+    python launch/bench/convergence.py --steps 20 --lr-factors 1 --seeds 0 \\
+        --csv results/convergence_smoke.csv              # a reduced-scale check
+
+Each run: torchrun --standalone with 2 × 2 ranks (two "nodes" of two ranks on this machine):
+shardopt's methods on a (replicate 2, shard 2) mesh, the DDP ones on 4 ranks with 2 ranks per node
+(so their bytes between the two groups of ranks count as replicate bytes). Learning rates: each
+method's default × --lr-factors. Every method sees the same batches (same seed → same data).
+
+    results/convergence.csv       method, lr, seed, steps, final_val_loss, replicate_bytes_total
+                                  (bytes one rank sent between nodes over the whole run)
+    results/convergence_best.csv  per method the lr with the lowest mean final val loss over seeds
+    results/convergence.png       val loss vs step and vs replicate bytes, each method at its best lr
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import runs
+
+BEST_FIELDS = ["method", "lr", "seeds", "final_val_loss_mean", "final_val_loss_min", "final_val_loss_max",
+               "replicate_bytes_total"]
+
+
+def best_table(rows: list[dict]) -> list[dict]:
+    """Per method (in first-seen order), the lr with the lowest mean final val loss over its seeds."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        by.setdefault((row["method"], row["lr"]), []).append(row)
+    best: dict[str, list[dict]] = {}
+    for (method, _), group in by.items():
+        mean = statistics.mean(float(r["final_val_loss"]) for r in group)
+        if method not in best or mean < statistics.mean(float(r["final_val_loss"]) for r in best[method]):
+            best[method] = group
+    table = []
+    for method, group in best.items():
+        losses = [float(r["final_val_loss"]) for r in group]
+        table.append({"method": method, "lr": group[0]["lr"], "seeds": len(group),
+                      "final_val_loss_mean": f"{statistics.mean(losses):.4f}", "final_val_loss_min": f"{min(losses):.4f}",
+                      "final_val_loss_max": f"{max(losses):.4f}", "replicate_bytes_total": group[0]["replicate_bytes_total"]})
+    return table
+
+
+def plot(curves: dict, best: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    for index, entry in enumerate(best):
+        color = plt.cm.tab20.colors[index % 20]                    # 11+ methods: more than the default 10 colours
+        curve = curves[(entry["method"], entry["lr"], min(s for m, lr, s in curves if (m, lr) == (entry["method"], entry["lr"])))]
+        label = f"{entry['method']} (lr {entry['lr']})"
+        by_step.plot([c[0] for c in curve], [c[2] for c in curve], marker=".", label=label, color=color)
+        trained = [c for c in curve if c[0] > 0]                    # (step 0 sent nothing: no place on a log axis)
+        by_bytes.plot([c[3] for c in trained], [c[2] for c in trained], marker=".", label=label, color=color)
+    by_step.set(xlabel="step", ylabel="val loss", title="val loss vs step (best lr, first seed)")
+    by_bytes.set(xlabel="replicate bytes sent by one rank", ylabel="val loss", xscale="log", title="val loss vs bytes")
+    by_step.legend(fontsize=7)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
+    parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe",
+                        help="vocabulary: BPE-4096 (python integrations/data.py --tokenizer bpe) or bytes (256)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--run-timeout", type=float, default=3600.0)
+    parser.add_argument("--work-dir", type=Path, default=runs.ROOT / "runs" / "convergence")
+    parser.add_argument("--csv", type=Path, default=runs.ROOT / "results" / "convergence.csv")
+    args = parser.parse_args()
+    chosen = runs.select(runs.methods(args.n_embd), args.methods)
+    model = runs.model_args(args.tokenizer, args.steps, args.n_embd, args.n_layer, args.batch_size, args.block_size, args.eval_every,
+                            args.eval_batches, args.warmup)
+    print(f"convergence: vocabulary {args.tokenizer}; 2 × 2 ranks; {args.steps} steps; "
+          f"{len(chosen)} methods × {len(args.lr_factors)} lrs × {len(args.seeds)} seeds", flush=True)
+    rows, curves, failed = [], {}, []
+    for method in chosen:
+        for factor in args.lr_factors:
+            lr = f"{method.lr * factor:g}"
+            for seed in args.seeds:
+                out = args.work_dir / f"{method.name.replace('/', '_')}_lr{lr}_seed{seed}"
+                try:
+                    runs.run_local(method.command(float(lr), seed, out, model, 2, 2), 4, out / "log.txt", args.run_timeout)
+                except RuntimeError as error:          # one failed run does not end the campaign
+                    failed.append(f"{method.name} lr {lr} seed {seed}: {str(error)[:200]}")
+                    print(f"FAILED {failed[-1]}", flush=True)
+                    continue
+                summary = runs.summarize(runs.read_metrics(out))
+                rows.append({"method": method.name, "lr": lr, "seed": seed, "steps": summary.steps,
+                             "final_val_loss": f"{summary.final_val_loss:.4f}",
+                             "replicate_bytes_total": summary.replicate_bytes_total})
+                curves[(method.name, lr, seed)] = summary.curve
+                print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+                runs.write_csv(args.csv, runs.CONVERGENCE_FIELDS, rows)
+    best = best_table(rows)
+    best_csv = args.csv.with_name(args.csv.stem + "_best.csv")
+    runs.write_csv(best_csv, BEST_FIELDS, best)
+    runs.print_table(best)
+    png = args.csv.with_suffix(".png")
+    plot(curves, best, png)
+    print(f"wrote {args.csv}, {best_csv} and {png}")
+    if failed:
+        raise SystemExit("these runs failed (their rows are missing; logs under --work-dir):\n" + "\n".join(failed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""What the benchmark drivers share: the methods, how one run is launched, and what is read back.
+
+A method is a label (the `method` column) and the command-line arguments of one of two entry points:
+integrations/fsdp/train.py (shardopt's optimizers on a (replicate, shard) mesh: dion, signmuon) and
+launch/bench/train_ddp.py (what users run today: DDP + AdamW/Muon, PowerSGD, post-local SGD,
+signSGD with majority vote). Both write the same metrics.csv columns; `summarize` reads them.
+
+Times: `train_seconds` adds up the measured step times (step_ms × steps of each logged window), so
+evaluations, start-up and rendezvous are not in any method's time to target.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FSDP_TRAIN = ROOT / "integrations" / "fsdp" / "train.py"
+DDP_TRAIN = ROOT / "launch" / "bench" / "train_ddp.py"
+TWONODE = ROOT / "launch" / "netns" / "twonode.sh"
+MULTINODE = ROOT / "launch" / "torchrun_multinode.sh"
+
+SLOWLINK_FIELDS = ["method", "rate_mbit", "procs_per_node", "lr", "steps", "step_ms", "replicate_bytes_per_step",
+                   "wire_bytes_per_step", "time_to_target_s", "final_val_loss"]
+CONVERGENCE_FIELDS = ["method", "lr", "seed", "steps", "final_val_loss", "replicate_bytes_total"]
+DION_WIRE_ITEMSIZE = 2      # Dion's default wire_dtype is bfloat16 (DESIGN §3)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row label and how to run it. `lr` is the default learning rate of its 2-D weights."""
+    name: str
+    script: Path
+    args: tuple[str, ...]
+    lr: float
+    note: str = ""
+
+    def command(self, lr: float, seed: int, out_dir: Path, model_args: list[str], nodes: int,
+                procs_per_node: int) -> list[str]:
+        """The entry point's arguments (after `torchrun … script`) for one run."""
+        mesh = ["--replicate", str(nodes), "--shard", str(procs_per_node), "--check-replicas-every", "0"] \
+            if self.script == FSDP_TRAIN else ["--ranks-per-node", str(procs_per_node)]
+        return [str(self.script), *self.args, *mesh, "--lr", f"{lr:g}", "--seed", str(seed),
+                "--out-dir", str(out_dir), *model_args]
+
+
+def powersgd_matched_rank(n_embd: int, rank_fraction: float = 0.25) -> int:
+    """PowerSGD rank whose bytes match Dion at `rank_fraction`: every matrix of the GPT has
+    min(m, n) = n_embd, Dion sends (m + n)·r_dion numbers in bf16, PowerSGD (m + n)·r in fp32."""
+    return max(1, round(math.ceil(rank_fraction * n_embd) * DION_WIRE_ITEMSIZE / 4))
+
+
+def accepts(script: Path, option: str) -> bool:
+    """Whether an entry point has a command-line option (a capability check on its source)."""
+    return f'"{option}"' in script.read_text()
+
+
+def methods(n_embd: int) -> list[Method]:
+    """Every method of the benchmark, baseline first. Variants with the Lion scalar group appear only
+    where integrations/fsdp/train.py has --scalar-algorithm."""
+    matched = powersgd_matched_rank(n_embd)
+    found = [
+        Method("ddp_adamw", DDP_TRAIN, ("--method", "ddp_adamw"), 3e-3),
+        Method("ddp_muon", DDP_TRAIN, ("--method", "ddp_muon"), 0.02, "torch.optim.Muon"),
+        Method("powersgd_rank1", DDP_TRAIN, ("--method", "powersgd", "--powersgd-rank", "1"), 3e-3),
+        Method(f"powersgd_rank{matched}", DDP_TRAIN, ("--method", "powersgd", "--powersgd-rank", str(matched)), 3e-3,
+               "bytes of dion_1/4"),
+        Method("localsgd", DDP_TRAIN, ("--method", "localsgd", "--local-period", "8"), 3e-3),
+        Method("signsgd", DDP_TRAIN, ("--method", "signsgd"), 1e-3),
+        Method("dion_1/4", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.25"), 0.02),
+        Method("dion_1/16", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.0625"), 0.02),
+        Method("signmuon", FSDP_TRAIN, ("--optimizer", "signmuon"), 3e-3, "scalar group adamw"),
+    ]
+    if accepts(FSDP_TRAIN, "--scalar-algorithm"):
+        found += [Method("signmuon_lion", FSDP_TRAIN, ("--optimizer", "signmuon", "--scalar-algorithm", "lion"), 3e-3),
+                  Method("dion_1/4_lion", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.25",
+                                                      "--scalar-algorithm", "lion"), 0.02)]
+    return found
+
+
+def select(all_methods: list[Method], names: list[str] | None) -> list[Method]:
+    """The methods named (all if None), with a clear error for an unknown name."""
+    if not names:
+        return all_methods
+    by_name = {m.name: m for m in all_methods}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(by_name)}")
+    return [by_name[n] for n in names]
+
+
+def model_args(tokenizer: str, steps: int, n_embd: int, n_layer: int, batch_size: int, block_size: int,
+               eval_every: int, eval_batches: int, warmup: int) -> list[str]:
+    """Model, data and schedule options, the same for both entry points; log every step (median step time)."""
+    return ["--tokenizer", tokenizer, "--steps", str(steps), "--n-embd", str(n_embd), "--n-layer", str(n_layer), "--n-head", "4",
+            "--batch-size", str(batch_size), "--block-size", str(block_size), "--eval-every", str(eval_every),
+            "--eval-batches", str(eval_batches), "--warmup", str(warmup), "--log-every", "1"]
+
+
+def run_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def run_local(argv: list[str], nproc: int, log: Path, timeout_s: float) -> None:
+    """torchrun --standalone on this machine (no link limit)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *argv]
+    _run([command], log, timeout_s)
+
+
+def run_two_nodes(argv: list[str], procs_per_node: int, prefix: str, port: int, log: Path, timeout_s: float) -> None:
+    """One torchrun per emulated node (launch/torchrun_multinode.sh inside `twonode.sh node N`)."""
+    env = {"MASTER_ADDR": f"{prefix}1", "MASTER_PORT": str(port), "NNODES": "2", "NPROC_PER_NODE": str(procs_per_node),
+           "PYTHON": sys.executable, "RDZV_ID": f"bench{port}", "RDZV_TIMEOUT": "120"}
+    commands = [[str(TWONODE), "node", str(n), "env", *(f"{k}={v}" for k, v in env.items()),
+                 f"NODE_RANK={n - 1}", "bash", str(MULTINODE), *argv] for n in (1, 2)]
+    _run(commands, log, timeout_s, {"NETNS_PREFIX": prefix})
+
+
+def _run(commands: list[list[str]], log: Path, timeout_s: float, extra_env: dict | None = None) -> None:
+    """Start every command, wait for all; on a failure or the timeout kill the others and raise with the log."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        processes = [subprocess.Popen(["nice", "-n", "5", *c], stdout=out, stderr=subprocess.STDOUT,
+                                      env={**run_env(), **(extra_env or {})}, cwd=ROOT, start_new_session=True)
+                     for c in commands]
+        try:
+            codes = [p.wait(timeout=timeout_s) for p in processes]
+        except subprocess.TimeoutExpired:
+            codes = None
+        finally:
+            for p in processes:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+    if codes is None or any(codes):
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"run failed ({'timeout ' + str(timeout_s) + ' s' if codes is None else codes}); "
+                           f"log {log}:\n{tail}")
+
+
+# ---- reading a run back -----------------------------------------------------------------------
+def read_csv(path: Path) -> list[dict]:
+    with Path(path).open() as f:
+        return list(csv.DictReader(f))
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return read_csv(Path(out_dir) / "metrics.csv")
+
+
+@dataclass
+class Summary:
+    steps: int
+    step_ms: float                      # median over logged windows (per step with --log-every 1)
+    replicate_bytes_per_step: float
+    replicate_bytes_total: int
+    final_val_loss: float
+    curve: list[tuple[int, float, float, int]] = field(default_factory=list)   # (step, train s, val loss, bytes so far)
+
+
+def summarize(rows: list[dict]) -> Summary:
+    """Step-time median, bytes, final val loss and the val-loss curve (by step, training seconds and
+    bytes sent so far) of one run's metrics.csv rows (integrations/fsdp/train.py or train_ddp.py)."""
+    seconds, sent, previous = 0.0, 0, 0
+    step_ms, curve = [], []
+    for row in rows:
+        step = int(row["step"])
+        if row.get("step_ms"):
+            seconds += float(row["step_ms"]) / 1000 * (step - previous)
+            sent += int(row["replicate_bytes_per_step"]) * (step - previous)
+            step_ms.append(float(row["step_ms"]))
+            previous = step
+        if row.get("val_loss"):
+            curve.append((step, seconds, float(row["val_loss"]), sent))
+    if not curve or not step_ms:
+        raise ValueError("metrics.csv holds no trained step with a val loss; was the run evaluated (--eval-every)?")
+    return Summary(steps=previous, step_ms=statistics.median(step_ms), replicate_bytes_per_step=sent / max(1, previous),
+                   replicate_bytes_total=sent, final_val_loss=curve[-1][2], curve=curve)
+
+
+def time_to_target(curve: list[tuple[int, float, float, int]], target: float) -> float:
+    """Training seconds at the first evaluation with val loss ≤ target (step 0 excluded: no training yet
+    is no time); inf if never reached."""
+    return next((seconds for step, seconds, loss, _ in curve if step > 0 and loss <= target), math.inf)
+
+
+def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
+    """Rows with exactly `fields` as columns (a missing or extra key is an error, not a blank)."""
+    for row in rows:
+        if list(row) != fields:
+            raise ValueError(f"row columns {list(row)} differ from the schema {fields}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in rows[0]}
+    print("  ".join(k.rjust(w) for k, w in widths.items()))
+    for row in rows:
+        print("  ".join(str(row[k]).rjust(w) for k, w in widths.items()))

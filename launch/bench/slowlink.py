@@ -1,0 +1,190 @@
+"""Slow-link time to quality: every method on two emulated nodes whose link is limited by tc tbf.
+
+    sudo python launch/bench/slowlink.py                       # the full campaign → results/slowlink.csv + .png
+    sudo python launch/bench/slowlink.py --rates 100mbit --procs-per-node 1 --steps 20 \\
+        --methods ddp_adamw signmuon --csv results/slowlink_smoke.csv     # a reduced-scale check
+
+Needs root (network namespaces), iproute2 and the prepared data (python integrations/data.py).
+For each procs-per-node P: first `ddp_adamw` runs on this machine without a link limit (2·P ranks,
+torchrun --standalone); its final val loss is the target. With --unlimited all (default) every
+other method runs there too: its step_ms there is its compute, and the difference to its step_ms
+at a rate is what the link adds (the communication/compute split). Then for each rate, launch/netns/twonode.sh
+makes two namespaces joined by a veth pair limited to the rate, and each method runs as one torchrun
+per node (P processes each): shardopt's methods on a (replicate 2, shard P) mesh, the DDP ones on
+2·P ranks. Columns (results/slowlink.csv):
+
+    method, rate_mbit (inf: no link limit, this machine), procs_per_node, lr, steps,
+    step_ms                   median step time (compute + communication, from every step)
+    replicate_bytes_per_step  bytes one rank sends per step between nodes, counted (shardopt's comm
+                              layer; for DDP-based methods the all-reduces torch's hooks issue)
+    wire_bytes_per_step       bytes node 1 sent on the veth per step (whole run incl. start-up / steps;
+                              all P ranks of the node together)
+    time_to_target_s          training seconds (sum of step times, evaluations excluded) until val loss
+                              ≤ the target; inf when not reached
+    final_val_loss
+
+Vocabulary: --tokenizer bpe (default; BPE-4096 of integrations/data.py --tokenizer bpe) or byte (256);
+the runs print it. Methods with "_lion" use shardopt's 1-bit Lion vote for the embeddings and norms
+instead of AdamW with a full-precision mean. The namespaces are always deleted at the end (also on
+an error or SIGTERM); NETNS_PREFIX picks their names (default bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import math
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import runs
+from convergence import best_table
+
+RATES = {"gbit": 1000, "mbit": 1, "kbit": 0.001}
+
+
+def rate_mbit(rate: str) -> float:
+    """tc rate string → Mbit/s ("100mbit" → 100, "1gbit" → 1000)."""
+    for unit, scale in RATES.items():
+        if rate.endswith(unit) and rate[:-len(unit)].replace(".", "", 1).isdigit():
+            return float(rate[:-len(unit)]) * scale
+    raise ValueError(f"rate {rate!r}: give a number and one of {', '.join(RATES)} (e.g. 100mbit)")
+
+
+def wire_tx(prefix: str) -> int:
+    done = subprocess.run([str(runs.TWONODE), "bytes", "1"], capture_output=True, text=True, check=True,
+                          env={**os.environ, "NETNS_PREFIX": prefix})
+    return int(done.stdout.split()[0])
+
+
+@contextlib.contextmanager
+def two_nodes(prefix: str, rate: str):
+    """The two namespaces at `rate` for the duration; deleted on the way out, whatever happens."""
+    env = {**os.environ, "NETNS_PREFIX": prefix}
+    subprocess.run([str(runs.TWONODE), "up", rate], check=True, env=env)
+    try:
+        yield
+    finally:
+        subprocess.run([str(runs.TWONODE), "down"], env=env)
+
+
+def best_lrs(path: Path) -> dict[str, float]:
+    """method → its best lr (lowest mean final val loss over seeds) in a convergence CSV."""
+    return {entry["method"]: float(entry["lr"]) for entry in best_table(runs.read_csv(path))}
+
+
+def row(method: runs.Method, rate: float, procs: int, lr: float, summary: runs.Summary, wire: float | str,
+        target: float) -> dict:
+    return {"method": method.name, "rate_mbit": f"{rate:g}", "procs_per_node": procs, "lr": f"{lr:g}",
+            "steps": summary.steps, "step_ms": f"{summary.step_ms:.1f}",
+            "replicate_bytes_per_step": round(summary.replicate_bytes_per_step),
+            "wire_bytes_per_step": wire if isinstance(wire, str) else round(wire),
+            "time_to_target_s": f"{runs.time_to_target(summary.curve, target):.1f}",
+            "final_val_loss": f"{summary.final_val_loss:.4f}"}
+
+
+def plot(curves: dict, targets: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({key[:2] for key in curves})
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for axis, (procs, rate) in zip(axes[0], panels):
+        shown = [(name, curve) for (p, r, name), curve in curves.items() if (p, r) == (procs, rate)]
+        for index, (name, curve) in enumerate(shown):
+            axis.plot([c[1] for c in curve], [c[2] for c in curve], marker=".", label=name,
+                      color=plt.cm.tab20.colors[index % 20])
+        axis.axhline(targets[procs], color="gray", linestyle="--", label="target")
+        axis.set(xlabel="training seconds", ylabel="val loss",
+                 title=f"{'no limit' if math.isinf(rate) else f'{rate:g} Mbit/s'}, {procs} proc/node")
+        axis.legend(fontsize=7)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit", "10mbit"])
+    parser.add_argument("--procs-per-node", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
+    parser.add_argument("--lr-from", type=Path, default=None,
+                        help="a convergence CSV: each method at its best lr there (default: the method's default)")
+    parser.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe",
+                        help="vocabulary: BPE-4096 (python integrations/data.py --tokenizer bpe) or bytes (256)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--unlimited", choices=("all", "baseline"), default="all",
+                        help="which methods also run without a link limit (rate_mbit inf): all (their compute-only "
+                             "step time, for the communication/compute split) or only the ddp_adamw target run")
+    parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
+    parser.add_argument("--work-dir", type=Path, default=runs.ROOT / "runs" / "slowlink")
+    parser.add_argument("--csv", type=Path, default=runs.ROOT / "results" / "slowlink.csv")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        parser.error("network namespaces need root; run with sudo (or as root)")
+    rates = {rate: rate_mbit(rate) for rate in args.rates}
+    chosen = runs.select(runs.methods(args.n_embd), args.methods)
+    baseline = runs.select(runs.methods(args.n_embd), ["ddp_adamw"])[0]
+    lrs = best_lrs(args.lr_from) if args.lr_from else {}
+    model = runs.model_args(args.tokenizer, args.steps, args.n_embd, args.n_layer, args.batch_size, args.block_size, args.eval_every,
+                            args.eval_batches, args.warmup)
+    prefix = os.environ.get("NETNS_PREFIX", "bench")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))   # so `finally` tears down
+    ports = itertools.count(29650)
+    rows, curves, targets, failed = [], {}, {}, []
+    print(f"slowlink: vocabulary {args.tokenizer}; {args.steps} steps; methods {', '.join(m.name for m in chosen)}", flush=True)
+    def measure(method: runs.Method, procs: int, rate: str | None) -> runs.Summary | None:
+        """One run (rate None: on this machine, no link limit); appends its row, or notes its failure."""
+        out = args.work_dir / f"p{procs}_{rate or 'unlimited'}_{method.name.replace('/', '_')}"
+        lr = lrs.get(method.name, method.lr)
+        argv = method.command(lr, args.seed, out, model, 2, procs)
+        before = wire_tx(prefix) if rate else 0
+        try:
+            if rate:
+                runs.run_two_nodes(argv, procs, prefix, next(ports), out / "log.txt", args.run_timeout)
+            else:
+                runs.run_local(argv, 2 * procs, out / "log.txt", args.run_timeout)
+        except RuntimeError as error:      # one failed run does not end a day-long campaign
+            failed.append(f"{method.name} at {rate or 'no limit'}, {procs} proc/node: {str(error)[:200]}")
+            print(f"FAILED {failed[-1]}", flush=True)
+            return None
+        summary = runs.summarize(runs.read_metrics(out))
+        targets.setdefault(procs, summary.final_val_loss)    # the first run of each P is ddp_adamw's unlimited one
+        mbit = rates[rate] if rate else math.inf
+        wire = (wire_tx(prefix) - before) / summary.steps if rate else ""
+        rows.append(row(method, mbit, procs, lr, summary, wire, targets[procs]))
+        curves[(procs, mbit, method.name)] = summary.curve
+        print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+        runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, rows)   # after each run: a partial file is usable
+        return summary
+
+    for procs in args.procs_per_node:
+        if measure(baseline, procs, None) is None:
+            raise SystemExit(f"the target run (ddp_adamw without a link limit, {procs} proc/node) failed:\n{failed[-1]}")
+        print(f"target ({procs} proc/node): ddp_adamw unlimited final val loss {targets[procs]:.4f}", flush=True)
+        for method in chosen if args.unlimited == "all" else []:
+            if method.name != baseline.name:
+                measure(method, procs, None)
+        for rate in rates:
+            with two_nodes(prefix, rate):
+                for method in chosen:
+                    measure(method, procs, rate)
+    runs.print_table(rows)
+    png = args.csv.with_suffix(".png")
+    plot(curves, targets, png)
+    print(f"wrote {args.csv} and {png}")
+    if failed:
+        raise SystemExit("these runs failed (their rows are missing; logs under --work-dir):\n" + "\n".join(failed))
+
+
+if __name__ == "__main__":
+    main()

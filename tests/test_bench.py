@@ -1,0 +1,170 @@
+"""The benchmark harness's pure pieces (launch/bench/): byte counting of torch's DDP hooks on 2 gloo
+processes, time-to-target, CSV schemas, rate parsing, best-lr choice, the matrix-shaped conv."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "launch" / "bench"))
+from workers import WorkerPool  # noqa: E402
+
+import convergence  # noqa: E402
+import runs  # noqa: E402
+import slowlink  # noqa: E402
+from shardopt.comm import collective_bytes  # noqa: E402
+
+M, N = 48, 32    # the test model: Linear(N → M) with bias: a 48×32 matrix and a 48-vector
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(2)
+    yield workers
+    workers.close()
+
+
+def _counted_bytes_per_step(hook_name: str, local_world_size: int, steps: int, rank: int = 0):
+    """Train a DDP Linear for `steps` steps with torch's hook; bytes counted in the last step."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+    from counting import CountingAllReduce
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(N, M))
+    if hook_name == "allreduce":
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    else:
+        model.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                                                             min_compression_rate=1), powerSGD_hook.powerSGD_hook)
+    counter = CountingAllReduce(local_world_size).install()
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        counter.reset()
+        model(torch.randn(4, N, generator=generator)).square().sum().backward()
+        model.zero_grad()
+    return counter.between_nodes, counter.within_node, counter.calls
+
+
+def test_counting_allreduce_hook_bytes_equal_ring_formula_between_nodes(pool):
+    between, within, calls = pool.run(_counted_bytes_per_step, "allreduce", 1, 2)[0]
+    assert (between, within) == (collective_bytes("all_reduce", 4 * (M * N + M), 2), 0)
+    assert calls == 1                                   # one bucket
+
+
+def test_counting_puts_a_group_inside_one_node_under_within_node(pool):
+    between, within, _ = pool.run(_counted_bytes_per_step, "allreduce", 2, 2)[0]
+    assert (between, within) == (0, collective_bytes("all_reduce", 4 * (M * N + M), 2))
+
+
+@pytest.mark.parametrize("rank", [1, 4])
+def test_counting_powersgd_bytes_equal_low_rank_formula(pool, rank):
+    """After its plain start, PowerSGD all-reduces P (m×r), Q (n×r) and the uncompressed bias."""
+    between, _, calls = pool.run(_counted_bytes_per_step, "powersgd", 1, 3, rank)[0]
+    expected = sum(collective_bytes("all_reduce", 4 * count, 2) for count in (M, M * rank, N * rank))
+    assert (between, calls) == (expected, 3)
+
+
+def _averaged_bytes(period: int, steps: int):
+    """Bytes counted per call of torch's PeriodicModelAverager.average_parameters (local SGD's exchange)."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from counting import CountingAllReduce
+
+    model = torch.nn.Linear(N, M)
+    model(torch.ones(1, N)).sum().backward()   # the averager skips parameters without a gradient
+    counter = CountingAllReduce(1).install()
+    averager = PeriodicModelAverager(period=period, warmup_steps=0)
+    per_step = []
+    for _ in range(steps):
+        counter.reset()
+        averager.average_parameters(model.parameters())
+        per_step.append(counter.between_nodes)
+    return per_step
+
+
+def test_counting_sees_local_sgd_model_averaging_every_period(pool):
+    full = collective_bytes("all_reduce", 4 * (M * N + M), 2)
+    assert pool.run(_averaged_bytes, 3, 6)[0] == [full, 0, 0, full, 0, 0]
+
+
+def _rows(points):
+    """metrics.csv rows: step 0 eval, then one row per step with step_ms, bytes and maybe a val loss."""
+    rows = [{"step": "0", "step_ms": "", "replicate_bytes_per_step": "", "val_loss": "5.0"}]
+    for step, step_ms, sent, val in points:
+        rows.append({"step": str(step), "step_ms": str(step_ms), "replicate_bytes_per_step": str(sent),
+                     "val_loss": "" if val is None else str(val)})
+    return rows
+
+
+def test_summarize_adds_step_times_over_windows_and_reads_the_curve():
+    # windows: steps 1-2 at 100 ms (logged at 2), step 3 at 300 ms, steps 4-5 at 200 ms
+    summary = runs.summarize(_rows([(2, 100, 10, 4.0), (3, 300, 10, None), (5, 200, 20, 3.0)]))
+    assert summary.steps == 5 and summary.replicate_bytes_total == 2 * 10 + 10 + 2 * 20
+    assert summary.step_ms == 200 and summary.final_val_loss == 3.0
+    assert [c[:3] for c in summary.curve] == [(0, 0.0, 5.0), (2, pytest.approx(0.2), 4.0), (5, pytest.approx(0.9), 3.0)]
+
+
+def test_time_to_target_is_the_first_evaluation_at_or_below_target_and_inf_otherwise():
+    curve = runs.summarize(_rows([(2, 100, 0, 4.0), (4, 100, 0, 3.5), (6, 100, 0, 3.4)])).curve
+    assert runs.time_to_target(curve, 3.5) == pytest.approx(0.4)
+    assert runs.time_to_target(curve, 4.5) == pytest.approx(0.2)   # step 0 (5.0, untrained) never counts
+    assert runs.time_to_target(curve, 3.0) == math.inf
+    assert runs.time_to_target(runs.summarize(_rows([(1, 100, 0, 6.0)])).curve, 5.5) == math.inf
+
+
+def test_summarize_refuses_a_run_without_a_trained_evaluation():
+    with pytest.raises(ValueError, match="--eval-every"):
+        runs.summarize(_rows([]))
+
+
+def test_csv_schemas_are_the_issues_columns_and_write_csv_rejects_others(tmp_path):
+    assert runs.SLOWLINK_FIELDS == ["method", "rate_mbit", "procs_per_node", "lr", "steps", "step_ms",
+                                    "replicate_bytes_per_step", "wire_bytes_per_step", "time_to_target_s",
+                                    "final_val_loss"]
+    assert runs.CONVERGENCE_FIELDS == ["method", "lr", "seed", "steps", "final_val_loss", "replicate_bytes_total"]
+    good = dict(zip(runs.CONVERGENCE_FIELDS, ["dion_1/4", "0.02", 0, 10, "3.1", 100]))
+    runs.write_csv(tmp_path / "c.csv", runs.CONVERGENCE_FIELDS, [good])
+    assert runs.read_csv(tmp_path / "c.csv") == [{k: str(v) for k, v in good.items()}]
+    with pytest.raises(ValueError, match="schema"):
+        runs.write_csv(tmp_path / "bad.csv", runs.CONVERGENCE_FIELDS, [{**good, "extra": 1}])
+    slow = slowlink.row(runs.methods(64)[0], 100.0, 1, 3e-3, runs.summarize(_rows([(2, 100, 10, 4.0)])), 12.0, 3.0)
+    assert list(slow) == runs.SLOWLINK_FIELDS and slow["time_to_target_s"] == "inf"
+
+
+def test_rate_strings_parse_to_mbit_and_bad_ones_are_refused():
+    assert [slowlink.rate_mbit(r) for r in ("1gbit", "100mbit", "10mbit", "500kbit")] == [1000, 100, 10, 0.5]
+    with pytest.raises(ValueError, match="rate"):
+        slowlink.rate_mbit("100")
+
+
+def test_best_table_picks_the_lr_with_the_lowest_mean_over_seeds():
+    rows = [{"method": "a", "lr": lr, "seed": s, "steps": 1, "final_val_loss": loss, "replicate_bytes_total": 1}
+            for lr, s, loss in [("1", 0, "3.0"), ("1", 1, "3.4"), ("2", 0, "3.1"), ("2", 1, "3.2")]]
+    best = convergence.best_table(rows)
+    assert [(b["method"], b["lr"], b["final_val_loss_mean"]) for b in best] == [("a", "2", "3.1500")]
+
+
+def test_powersgd_matched_rank_sends_dion_quarter_bytes():
+    # Dion 1/4 of an n_embd-wide matrix: r = n/4 numbers in bf16 per (m + n); PowerSGD: fp32
+    assert runs.powersgd_matched_rank(256) == 32
+    assert 4 * runs.powersgd_matched_rank(256) == runs.DION_WIRE_ITEMSIZE * 64
+
+
+def test_unknown_method_names_are_refused_with_the_known_ones():
+    with pytest.raises(SystemExit, match="known: ddp_adamw"):
+        runs.select(runs.methods(64), ["adam"])
+
+
+def test_matrix_conv_is_conv2d_and_its_weight_lands_in_the_matrix_group():
+    import shardopt
+    from fashion_mnist import CNN, MatrixConv2d
+    conv = MatrixConv2d(3, 5, 3, padding=1)
+    x = torch.randn(2, 3, 8, 8)
+    expected = torch.nn.functional.conv2d(x, conv.weight.detach().reshape(5, 3, 3, 3), padding=1)
+    torch.testing.assert_close(conv(x), expected)
+    groups = shardopt.param_groups(CNN(), "dion", "adamw")
+    assert groups[0]["param_names"] == ["conv1.weight", "conv2.weight", "fc.weight"]
