@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from .buckets import compute_dtype, stack_as
 from .comm import Axis
 from .lowrank import column_normalize, dion_rank, orthonormalize
 from .placement import MatrixLayout, like_param, local
@@ -63,6 +64,13 @@ def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int
     return {"momentum": torch.zeros_like(param), "Q": like_param(param, Q, layout.shape[0]) if layout.sharded else Q}
 
 
+def work_split(layout: MatrixLayout, group: dict, replicate: Axis, shard: Axis) -> int:
+    """How many ranks share a bucket's orthonormalization: the shard ranks, times the replicas when
+    P crosses the replicate axis (compressed); on the fallback the replicate axis carries G, and
+    splitting there would add bytes."""
+    return shard.size * (replicate.size if compressed(layout, group) else 1)
+
+
 def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool):
     """P ← mean_replicas(Σ_shards P) for P (k, a, r); a generator of collectives (see schedule.py).
 
@@ -83,36 +91,90 @@ def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, aver
     return gathered.reshape(rows, k, r)[:a].permute(1, 0, 2)
 
 
+def split_orthonormalize(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool, orthonormalize_share):
+    """orthonormalize(mean_replicas(Σ_shards P)) for P (k, a, r), k a multiple of S = F·W
+    (W = replicate size when averaging, else 1), each rank orthonormalizing k/S matrices
+    (a generator of collectives).
+
+    Shard axis: reduce-scatter the matrices (rank i gets the sum of its k/F), all-gather at the
+    end. Replicate axis: reduce-scatter that piece (rank j gets the sum of its k/S), divide by W,
+    orthonormalize, all-gather. A reduce-scatter plus an all-gather moves 2(M−1)/M of the input,
+    the same bytes as the all-reduce it replaces.
+    """
+    k, a, r = P.shape
+    piece = (yield shard.reduce_scatter(P, async_op=True)) if shard.size > 1 else P
+    voters = replicate.size if average_replicas else 1
+    if voters > 1:
+        piece = yield replicate.reduce_scatter(piece, async_op=True)
+        piece /= voters
+    piece = orthonormalize_share(piece)
+    if voters > 1:
+        piece = (yield replicate.all_gather(piece, async_op=True)).reshape(-1, a, r)
+    if shard.size > 1:
+        piece = (yield shard.all_gather(piece, async_op=True)).reshape(k, a, r)
+    return piece
+
+
+def exchange_orthonormalize(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool,
+                            orthonormalize_share):
+    """orthonormalize(mean_replicas(Σ_shards P)) for P (k, a, r) (a generator of collectives). The
+    first k − (k mod S) matrices go through `split_orthonormalize` (work split over S = F·W ranks);
+    the rest, fewer than S, are exchanged whole and orthonormalized by every rank."""
+    split = shard.size * (replicate.size if average_replicas else 1)
+    even = P.shape[0] - P.shape[0] % split
+    parts = []
+    if even:
+        parts.append((yield from split_orthonormalize(P[:even], shard, replicate, average_replicas,
+                                                      orthonormalize_share)))
+    if even < P.shape[0]:
+        rest = yield from sum_shards_mean_replicas(P[even:], shard, replicate, average_replicas)
+        parts.append(orthonormalize_share(rest))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
     """One Dion step on a bucket of same-layout matrices (local tensors, updated in place).
-    A generator that yields each collective (schedule.overlap runs it)."""
-    dtype = torch.promote_types(params[0].dtype, torch.float32)
-    G = torch.stack(grads).to(dtype)
-    B = torch.stack([s["momentum"] for s in states]).to(dtype)
-    Q = torch.stack([s["Q"] for s in states]).to(dtype)
-    low_rank = compressed(layout, group)
-    if not low_rank:
-        G = yield replicate.all_reduce(G, "mean", async_op=True)
-    if layout.transpose:
-        G, B = G.mT, B.mT
-    B += G
+    A generator that yields each collective (schedule.overlap runs it).
 
-    P = yield from sum_shards_mean_replicas(B @ Q, shard, replicate, low_rank)
-    P = orthonormalize(P, group["qr_method"])
+    Working memory: one fp32 copy of the bucket's momenta (B, updated in place), k·(a + b)·r for
+    P, Q, R, and one matrix's update at a time."""
+    dtype = compute_dtype(params[0].dtype)
+    low_rank = compressed(layout, group)
+    M = stack_as([s["momentum"] for s in states], dtype)            # (k, m_i, n), X's orientation
+    if low_rank:
+        for momentum, grad in zip(M, grads):
+            momentum.add_(grad)
+    else:
+        G = yield replicate.all_reduce(stack_as(grads, dtype), "mean", async_op=True)
+        M += G
+        del G
+    B = M.mT if layout.transpose else M                              # (k, a, b_i)
+    Q = stack_as([s["Q"] for s in states], dtype)
+
+    def orthonormalize_share(P):
+        return orthonormalize(P, group["qr_method"], seed)
+
+    P = yield from exchange_orthonormalize(B @ Q, shard, replicate, low_rank, orthonormalize_share)
     R = B.mT @ P
     if low_rank:
         R = yield replicate.all_reduce(R, "mean", async_op=True)
-    B.sub_(P @ R.mT, alpha=1 - group["mu"])
+    # error feedback B ← B − (1−μ)·P·Rᵀ, in place on M's memory (Mᵀ ← Mᵀ − (1−μ)·R·Pᵀ when transposed)
+    if layout.transpose:
+        M.baddbmm_(R, P.mT, alpha=-(1 - group["mu"]))
+    else:
+        M.baddbmm_(P, R.mT, alpha=-(1 - group["mu"]))
+    for state, momentum in zip(states, M):
+        state["momentum"].copy_(momentum)
+    del B, M
     col_sq_norms = yield shard.all_reduce((R * R).sum(dim=-2), "sum", async_op=True)
     Q = column_normalize(R, col_sq_norms, Q, group["epsilon"])
 
-    update = P @ Q.mT
-    if layout.transpose:
-        B, update = B.mT, update.mT
     m, n = layout.shape
     lr = group["lr"]
     scale = math.sqrt(m / n)
     for i, (param, state) in enumerate(zip(params, states)):
-        state["momentum"].copy_(B[i])
         state["Q"].copy_(Q[i])
-        param.mul_(1 - lr * group["weight_decay"]).add_(update[i].to(param.dtype), alpha=-lr * scale)
+        update = P[i] @ Q[i].mT                                       # a×b_i
+        if layout.transpose:
+            update = update.mT
+        param.mul_(1 - lr * group["weight_decay"]).add_(update.to(param.dtype), alpha=-lr * scale)

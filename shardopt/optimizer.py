@@ -14,6 +14,7 @@ import zlib
 import torch
 
 from . import dion, scalar, signmuon
+from .buckets import DEFAULT_BUCKET_BYTES, chunk_sizes, compute_dtype
 from .comm import Axis
 from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, validate_group
 from .placement import derive_meshes, local, matrix_layout
@@ -23,6 +24,7 @@ logger = logging.getLogger("shardopt")
 NONFINITE = ("skip", "raise")
 MATRIX_STEPS = {"dion": dion.step, "signmuon": signmuon.step, "muon": signmuon.muon_step}
 MATRIX_INIT = {"dion": dion.init_state, "signmuon": signmuon.init_state, "muon": signmuon.init_state}
+MATRIX_SPLIT = {"dion": dion.work_split, "signmuon": signmuon.work_split, "muon": signmuon.work_split}
 
 
 class ShardOptimizer(torch.optim.Optimizer):
@@ -39,15 +41,28 @@ class ShardOptimizer(torch.optim.Optimizer):
         skipped on every rank, no state changes (momenta, Q, step counts), `skipped_steps` counts
         it and a warning is logged. "raise": FloatingPointError on every rank, state untouched.
         The check is one all-reduce of one float per axis and one device sync per step.
+    bucket_bytes: cap on a bucket's stacked working copy (fp32; fp64 for fp64 params), so a step's
+        transient memory is O(bucket_bytes), not O(model); see shardopt/buckets.py.
+
+    Which params a step updates is agreed by all ranks: those with a gradient on at least one
+    rank. A rank without a local gradient for such a param steps it with a zero gradient (it
+    joins the same collectives); a param without a gradient on every rank is skipped everywhere.
+    The same one-float check carries it; only a step where some rank lacks a gradient adds one
+    all-reduce of one byte per param.
     """
 
     matrix_algorithm = "dion"
     overlap_depth = 2   # bucket steps in flight: one bucket's collective overlaps the next one's compute
 
     def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
-                 agreement_timeout_s: float = 60.0, nonfinite: str = "skip"):
+                 agreement_timeout_s: float = 60.0, nonfinite: str = "skip",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         if nonfinite not in NONFINITE:
             raise ValueError(f"Invalid nonfinite: {nonfinite!r}; allowed: {', '.join(map(repr, NONFINITE))}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r}; bucket_bytes must be a positive integer "
+                             f"(bytes of a bucket's fp32 working copy, default {DEFAULT_BUCKET_BYTES})")
+        self.bucket_bytes = bucket_bytes
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.seed = int(seed)
@@ -93,13 +108,15 @@ class ShardOptimizer(torch.optim.Optimizer):
                        for p, label in self._param_label.items()]
         settings = [repr(sorted((k, v) for k, v in g.items() if k not in ("params", "lr"))) for g in self.param_groups]
         fields = {"number of params": len(description), "param shapes/dtypes/placements": zlib.crc32("\n".join(description).encode()),
-                  "group settings": zlib.crc32("\n".join(settings).encode()), "seed": self.seed}
+                  "group settings": zlib.crc32("\n".join(settings).encode()), "seed": self.seed,
+                  "bucket_bytes": self.bucket_bytes}
         for axis in (self.replicate, self.shard):
             per_rank = axis.agree(list(fields.values()), timeout_s)
             for position, field in enumerate(fields):
                 values = [row[position] for row in per_rank]
                 if len(set(values)) > 1:
-                    shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if field in ("number of params", "seed") \
+                    shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) \
+                        if field in ("number of params", "seed", "bucket_bytes") \
                         else ", ".join(f"rank {r}: {'same as rank 0' if v == values[0] else 'different'}" for r, v in enumerate(values))
                     raise ValueError(f"ranks of the {axis.name} axis disagree on the {field} ({shown}); every rank "
                                      f"must build the optimizer from the same model and arguments")
@@ -111,29 +128,49 @@ class ShardOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._nonfinite_gradients():
+        stepping = self._agreed_gradients()
+        if stepping is None:
             return loss
-        overlap(self._bucket_steps(), depth=self.overlap_depth)
+        overlap(self._bucket_steps(stepping), depth=self.overlap_depth)
         return loss
 
     def nonfinite_anywhere(self, grads: list[torch.Tensor]) -> bool:
         """True, on every rank alike, when any rank of either axis has a NaN/inf in its local `grads`
         (or a gradient norm that overflows its dtype). One all-reduce of one float per axis and one
         device sync: every rank must take the same branch."""
+        return self._gradient_flag(grads, missing=False) == 2
+
+    def _gradient_flag(self, grads: list[torch.Tensor], missing: bool) -> int:
+        """max over all ranks of both axes of: 2 if the rank's `grads` hold a NaN/inf, else 1 if
+        `missing` (the rank lacks a gradient some param may have elsewhere), else 0. One all-reduce
+        of one float per axis and one device sync."""
         if grads:
             norms = torch.stack(torch._foreach_norm(grads)).float()
-            flag = (~torch.isfinite(norms)).any().float().reshape(1)
+            flag = torch.where((~torch.isfinite(norms)).any(), 2.0, float(missing)).reshape(1)
         else:
-            flag = torch.zeros(1, device=local(self.param_groups[0]["params"][0]).device)
+            flag = torch.full((1,), float(missing), device=local(self.param_groups[0]["params"][0]).device)
         self.replicate.all_reduce(flag, "max")
         self.shard.all_reduce(flag, "max")
-        return bool(flag.item())
+        return int(flag.item())
 
-    def _nonfinite_gradients(self) -> bool:
-        """True when the step must be skipped (nonfinite="skip"); raises for nonfinite="raise"."""
-        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not self.nonfinite_anywhere(grads):
-            return False
+    def _agreed_gradients(self) -> set | None:
+        """The params every rank steps now (those with a gradient on some rank), or None when the
+        step is skipped for a non-finite gradient (nonfinite="raise" raises instead)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads = [local(p.grad) for p in params if p.grad is not None]
+        flag = self._gradient_flag(grads, missing=len(grads) < len(params))
+        if flag == 2:
+            self._report_nonfinite()
+            return None
+        if flag == 0:
+            return set(params)
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=local(params[0]).device)
+        self.replicate.all_reduce(has_grad, "max")
+        self.shard.all_reduce(has_grad, "max")
+        return {p for p, anywhere in zip(params, has_grad.tolist()) if anywhere}
+
+    def _report_nonfinite(self) -> None:
+        """Raise (nonfinite="raise") or count and log a skipped step, naming this rank's bad params."""
         local_bad = [self._param_label[p] for group in self.param_groups for p in group["params"]
                      if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
         where = f"this rank's params {', '.join(local_bad[:5])}" if local_bad else "another rank"
@@ -143,26 +180,33 @@ class ShardOptimizer(torch.optim.Optimizer):
         self.skipped_steps += 1
         logger.warning("shardopt: skipped a step with a non-finite gradient in %s (%d skipped so far)", where,
                        self.skipped_steps)
-        return True
 
-    def _bucket_steps(self):
-        """One step generator per bucket (matrix groups) or per group (element-wise), in param order."""
+    def _bucket_steps(self, stepping: set):
+        """One step generator per bucket (matrix groups) or per group (element-wise), in param order;
+        made lazily, so only the buckets in flight hold working copies."""
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if p in stepping]
             if not params:
                 continue
             if group["algorithm"] in MATRIX_ALGORITHMS:
-                for (layout, _, _), bucket in self._buckets(params).items():
+                for layout, bucket in self._buckets(params, group):
                     yield self._matrix_step(bucket, group, layout)
             else:
                 yield self._scalar_step(params, group)
 
-    def _buckets(self, params) -> dict:
-        """(layout, dtype, device) → the params that share them (one bucket), in parameter order."""
-        buckets: dict = {}
+    def _buckets(self, params, group: dict):
+        """(layout, bucket) pairs: the params sharing (layout, dtype, device), in parameter order, cut
+        into buckets under `bucket_bytes` (shardopt/buckets.py)."""
+        same: dict = {}
         for param in params:
-            buckets.setdefault((matrix_layout(param), param.dtype, param.device), []).append(param)
-        return buckets
+            same.setdefault((matrix_layout(param), param.dtype, param.device), []).append(param)
+        for (layout, dtype, _), members in same.items():
+            matrix_bytes = local(members[0]).numel() * compute_dtype(dtype).itemsize
+            split = MATRIX_SPLIT[group["algorithm"]](layout, group, self.replicate, self.shard)
+            start = 0
+            for size in chunk_sizes(len(members), matrix_bytes, self.bucket_bytes, split):
+                yield layout, members[start:start + size]
+                start += size
 
     def _states(self, params, init) -> list[dict]:
         states = []
@@ -180,12 +224,12 @@ class ShardOptimizer(torch.optim.Optimizer):
         init = MATRIX_INIT[algorithm]
         states = self._states(params, lambda p: init(p, layout, group, self._seed(p)))
         bucket_seed = (self._seed(params[0]) * 1_000_003 + int(states[0]["step"])) % 2**63
-        return MATRIX_STEPS[algorithm]([local(p) for p in params], [local(p.grad) for p in params], _local_states(states),
+        return MATRIX_STEPS[algorithm]([local(p) for p in params], _local_grads(params), _local_states(states),
                                 group, layout, self.replicate, self.shard, bucket_seed)
 
     def _scalar_step(self, params, group: dict):
         states = self._states(params, lambda p: scalar.init_state(p, group["algorithm"]))
-        return scalar.step([local(p) for p in params], [local(p.grad) for p in params], _local_states(states), group,
+        return scalar.step([local(p) for p in params], _local_grads(params), _local_states(states), group,
                     self.replicate)
 
     def _seed(self, param) -> int:
@@ -219,6 +263,12 @@ class ShardOptimizer(torch.optim.Optimizer):
         hashes = torch.stack([bit_hash(p) for p in params])
         gathered = self.replicate.all_gather(hashes)
         return bool((gathered == gathered[0]).all())
+
+
+def _local_grads(params) -> list[torch.Tensor]:
+    """Each param's local gradient; zeros where this rank has none (another rank has one, so this
+    rank still joins the bucket's collectives)."""
+    return [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
 
 
 def _local_states(states: list[dict]) -> list[dict]:

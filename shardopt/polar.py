@@ -40,7 +40,11 @@ def polar(G: torch.Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> 
     if tall:
         X = X.mT
     X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
-    for _ in range(steps):
+    batch = X.shape[:-2]
+    X = X.reshape(batch.numel(), *X.shape[-2:])           # (k, rows, cols), rows ≤ cols
+    for _ in range(steps):                                # working set: X, A, b·A + c·A², the new X
         A = X @ X.mT
-        X = a * X + (b * A + c * (A @ A)) @ X
+        X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)
+        del A
+    X = X.reshape(*batch, *X.shape[-2:])
     return X.mT if tall else X

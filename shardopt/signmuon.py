@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from .buckets import compute_dtype, stack_as
 from .comm import Axis
 from .placement import MatrixLayout
 from .polar import polar
@@ -63,52 +64,62 @@ def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int
     return out
 
 
+def work_split(layout: MatrixLayout, group: dict, replicate: Axis, shard: Axis) -> int:
+    """How many ranks share a bucket's Newton–Schulz work: the shard ranks with orthogonalize="full"
+    (`full_polar`). The replicate axis never splits it: each replica orthogonalizes its own momentum."""
+    return shard.size if group["orthogonalize"] == "full" and layout.sharded else 1
+
+
 def _direction(grads, states, group: dict, layout: MatrixLayout, shard: Axis):
-    """(U, M): the polar direction and the new momentum, stacked (k, m_i, n). With
-    orthogonalize="shard" polar runs on the local row block; with "full" on whole matrices
-    (a generator of collectives)."""
-    dtype = torch.promote_types(grads[0].dtype, torch.float32)
-    G = torch.stack(grads).to(dtype)
-    M = torch.stack([s["momentum"] for s in states]).to(dtype)
+    """The polar direction U (k, m_i, n) of the new momentum, which is written back to the state
+    first, so that only U's working copy outlives Newton–Schulz. With orthogonalize="shard" polar
+    runs on the local row block; with "full" on whole matrices (a generator of collectives)."""
+    dtype = compute_dtype(grads[0].dtype)
+    M = stack_as([s["momentum"] for s in states], dtype)
     beta = group["momentum"]
-    M.lerp_(G, 1 - beta)
-    U_in = G.lerp(M, beta) if group["nesterov"] else M
+    for momentum, grad in zip(M, grads):
+        momentum.lerp_(grad.to(dtype), 1 - beta)
+    for state, momentum in zip(states, M):
+        state["momentum"].copy_(momentum)
+    if group["nesterov"]:
+        for momentum, grad in zip(M, grads):          # U-input (1−β)·G + β·M, in M's memory
+            momentum.lerp_(grad.to(dtype), 1 - beta)
     if group["orthogonalize"] == "full":
-        return (yield from full_polar(U_in, layout, shard, group["ns_steps"], _ns_dtype(group))), M
-    return polar(U_in, group["ns_steps"], _ns_dtype(group)), M
+        return (yield from full_polar(M, layout, shard, group["ns_steps"], _ns_dtype(group)))
+    return polar(M, group["ns_steps"], _ns_dtype(group))
 
 
-def _apply(params, states, M, update, group: dict, scale: float) -> None:
+def _apply(params, update, group: dict, scale: float) -> None:
+    """X ← (1 − lr·wd)·X − lr·scale·update, matrix by matrix (update: (k, m_i, n), any dtype)."""
     lr = group["lr"]
-    for i, (param, state) in enumerate(zip(params, states)):
-        state["momentum"].copy_(M[i])
-        param.mul_(1 - lr * group["weight_decay"]).add_(update[i].to(param.dtype), alpha=-lr * scale)
+    for param, matrix in zip(params, update):
+        param.mul_(1 - lr * group["weight_decay"]).add_(matrix.to(param.dtype), alpha=-lr * scale)
 
 
 def voted_direction(grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
-    """(V, M): the voted ±1/0 direction (k, m_i, n) as int8, and the new momentum (a generator)."""
-    U, M = yield from _direction(grads, states, group, layout, shard)
+    """The voted ±1/0 direction (k, m_i, n) as int8 (a generator); the new momentum is in the states."""
+    U = yield from _direction(grads, states, group, layout, shard)
     positive = (U >= 0).reshape(-1)
+    shape = U.shape
+    del U
     fmt = resolve_vote(group["vote"], positive.numel(), replicate.size)
-    return (yield from vote_exchange(positive, replicate, fmt, seed)).view(U.shape), M
+    return (yield from vote_exchange(positive, replicate, fmt, seed)).view(shape)
 
 
 def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
     """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place).
     A generator that yields each collective (schedule.overlap runs it)."""
-    V, M = yield from voted_direction(grads, states, group, layout, replicate, shard, seed)
-    update = V.to(M.dtype)
-    if group["post_polar"]:
-        update = polar(update, group["ns_steps"], _ns_dtype(group))
+    V = yield from voted_direction(grads, states, group, layout, replicate, shard, seed)
+    update = polar(V.to(compute_dtype(params[0].dtype)), group["ns_steps"], _ns_dtype(group)) \
+        if group["post_polar"] else V
     m, n = layout.shape
     scale = 1.0 if group["lr_scale"] == "none" else 1 / math.sqrt(n)
-    _apply(params, states, M, update, group, scale)
+    _apply(params, update, group, scale)
 
 
 def muon_step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
     """One Muon step (baseline): full-precision gradient mean, then polar of the momentum (a generator)."""
-    G = torch.stack(grads).to(torch.promote_types(grads[0].dtype, torch.float32))
-    G = yield replicate.all_reduce(G, "mean", async_op=True)
-    U, M = yield from _direction(list(G), states, group, layout, shard)
+    G = yield replicate.all_reduce(stack_as(grads, compute_dtype(grads[0].dtype)), "mean", async_op=True)
+    U = yield from _direction(list(G), states, group, layout, shard)
     m, n = layout.shape
-    _apply(params, states, M, U, group, math.sqrt(max(1.0, m / n)))
+    _apply(params, U, group, math.sqrt(max(1.0, m / n)))
