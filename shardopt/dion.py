@@ -23,6 +23,7 @@ import torch
 
 from .buckets import compute_dtype, stack_as
 from .comm import Axis
+from .hyperparams import state_dtype
 from .lowrank import column_normalize, dion_rank, orthonormalize
 from .placement import MatrixLayout, like_param, local
 from .signs import padded_length
@@ -59,9 +60,11 @@ def initial_q(layout: MatrixLayout, group: dict, seed: int, dtype: torch.dtype, 
 
 def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
     """momentum: zeros like X (a DTensor placed like X when X is one); Q: b×r, a DTensor with X's
-    row placement when the shard axis splits b."""
-    Q = initial_q(layout, group, seed, param.dtype, local(param).device)
-    return {"momentum": torch.zeros_like(param), "Q": like_param(param, Q, layout.shape[0]) if layout.sharded else Q}
+    row placement when the shard axis splits b; both in the group's state dtype."""
+    dtype = state_dtype(group, param)
+    Q = initial_q(layout, group, seed, dtype, local(param).device)
+    return {"momentum": torch.zeros_like(param, dtype=dtype),
+            "Q": like_param(param, Q, layout.shape[0]) if layout.sharded else Q}
 
 
 def work_split(layout: MatrixLayout, group: dict, replicate: Axis, shard: Axis) -> int:

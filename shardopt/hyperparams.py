@@ -14,6 +14,7 @@ MATRIX_ALGORITHMS = ("dion", "signmuon", "muon")
 LR_SCALES = ("none", "unit_gain")
 ORTHOGONALIZE = ("shard", "full")
 NS_DTYPES = ("float32", "float64", "bfloat16", "float16")
+STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 # Every group carries every key (as torch.optim does); each algorithm reads its own.
 DEFAULTS = {
@@ -21,6 +22,8 @@ DEFAULTS = {
     "weight_decay": 0.0,
     "betas": (0.9, 0.95),
     "epsilon": 1e-8,
+    # matrix algorithms: dtype of the momentum (and Dion's Q); None = the param's dtype
+    "state_dtype": None,
     # Dion
     "mu": 0.95,
     "rank_fraction": 1.0,
@@ -39,10 +42,10 @@ DEFAULTS = {
 
 # Which keys each algorithm reads (validated only where read).
 KEYS = {
-    "dion": ("lr", "weight_decay", "epsilon", "mu", "rank_fraction", "rank_multiple_of", "qr_method"),
+    "dion": ("lr", "weight_decay", "epsilon", "mu", "rank_fraction", "rank_multiple_of", "qr_method", "state_dtype"),
     "signmuon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "post_polar",
-                 "lr_scale", "vote", "orthogonalize"),
-    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "orthogonalize"),
+                 "lr_scale", "vote", "orthogonalize", "state_dtype"),
+    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "orthogonalize", "state_dtype"),
     "adamw": ("lr", "weight_decay", "betas", "epsilon"),
     "lion": ("lr", "weight_decay", "betas"),
 }
@@ -102,12 +105,19 @@ def validate_group(group: dict, index: int) -> None:
         "vote": lambda: _choice(group, "vote", index, VOTES),
         "orthogonalize": lambda: _choice(group, "orthogonalize", index, ORTHOGONALIZE),
         "ns_dtype": lambda: _choice(group, "ns_dtype", index, (None,) + NS_DTYPES),
+        "state_dtype": lambda: _choice(group, "state_dtype", index, (None,) + STATE_DTYPES),
         "nesterov": lambda: _flag(group, "nesterov", index),
         "post_polar": lambda: _flag(group, "post_polar", index),
         "betas": lambda: _betas(group, index),
     }
     for key in KEYS[algorithm]:
         checks[key]()
+
+
+def state_dtype(group: dict, param: torch.Tensor) -> torch.dtype:
+    """The dtype of a matrix param's optimizer state: the group's `state_dtype`, else the param's.
+    The step computes in fp32 whatever the state dtype (shardopt.buckets.compute_dtype)."""
+    return getattr(torch, group["state_dtype"]) if group.get("state_dtype") else param.dtype
 
 
 def _betas(group, index):

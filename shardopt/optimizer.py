@@ -16,7 +16,7 @@ import torch
 from . import dion, scalar, signmuon
 from .buckets import DEFAULT_BUCKET_BYTES, chunk_sizes, compute_dtype
 from .comm import Axis
-from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, validate_group
+from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, state_dtype, validate_group
 from .placement import derive_meshes, local, matrix_layout
 from .schedule import complete, overlap
 
@@ -235,6 +235,23 @@ class ShardOptimizer(torch.optim.Optimizer):
     def _seed(self, param) -> int:
         return (self.seed * 1_000_003 + self._param_index[param]) % 2**63
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim's load, except that matrix-group state keeps the group's `state_dtype`
+        (torch.optim casts every floating state tensor to its param's dtype, which would round
+        fp32 momenta of bf16 params)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        groups = [group for group in self.param_groups for _ in group["params"]]
+        for saved_id, param, group in zip(saved_ids, params, groups):
+            if group["algorithm"] not in MATRIX_ALGORITHMS or not group.get("state_dtype") \
+                    or saved_id not in state_dict["state"]:
+                continue
+            for key, value in state_dict["state"][saved_id].items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    self.state[param][key] = value.to(device=self.state[param][key].device,
+                                                      dtype=state_dtype(group, param), copy=True)
+
     # ---- distributed helpers ------------------------------------------------------------------
     def comm_stats(self) -> dict:
         """Bytes this rank sent/received and calls issued per axis since construction (or the last reset)."""
@@ -287,30 +304,35 @@ def bit_hash(tensor: torch.Tensor) -> torch.Tensor:
 class Dion(ShardOptimizer):
     """Dion (DESIGN §1). Non-matrix params go in groups with algorithm "adamw" or "lion"
     (see `shardopt.param_groups`), which use lr, betas, epsilon and weight_decay.
-    `options`: seed, agreement_timeout_s, nonfinite (see ShardOptimizer)."""
+    qr_method: "qr" (Householder, exact), "cholesky" or "rcqr" (randomized Cholesky-QR).
+    state_dtype: dtype of the momentum and Q ("float32", "bfloat16", …; None: the param's).
+    `options`: seed, agreement_timeout_s, nonfinite, bucket_bytes (see ShardOptimizer)."""
 
     matrix_algorithm = "dion"
 
     def __init__(self, params, lr: float = 0.01, mu: float = 0.95, rank_fraction: float = 1.0,
                  rank_multiple_of: int = 1, weight_decay: float = 0.01, epsilon: float = 1e-8,
-                 qr_method: str = "qr", betas=(0.9, 0.95), *, replicate_mesh=None, shard_mesh=None,
-                 **options):
+                 qr_method: str = "qr", betas=(0.9, 0.95), state_dtype: str | None = None, *, replicate_mesh=None,
+                 shard_mesh=None, **options):
         defaults = dict(lr=lr, mu=mu, rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
-                        weight_decay=weight_decay, epsilon=epsilon, qr_method=qr_method, betas=betas)
+                        weight_decay=weight_decay, epsilon=epsilon, qr_method=qr_method, betas=betas,
+                        state_dtype=state_dtype)
         super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, **options)
 
 
 class SignMuon(ShardOptimizer):
     """Sign-Muon (DESIGN §2). vote: "allreduce_int8", "allgather_1bit", "alltoall_1bit" or "auto".
-    `options`: seed, agreement_timeout_s, nonfinite (see ShardOptimizer)."""
+    state_dtype: dtype of the momentum ("float32", "bfloat16", …; None: the param's).
+    `options`: seed, agreement_timeout_s, nonfinite, bucket_bytes (see ShardOptimizer)."""
 
     matrix_algorithm = "signmuon"
 
     def __init__(self, params, lr: float, momentum: float = 0.9, nesterov: bool = False, ns_steps: int = 5,
                  post_polar: bool = False, lr_scale: str = "none", weight_decay: float = 0.0,
                  betas=(0.9, 0.95), epsilon: float = 1e-8, ns_dtype: str | None = None, vote: str = "auto",
-                 orthogonalize: str = "shard", *, replicate_mesh=None, shard_mesh=None, **options):
+                 orthogonalize: str = "shard", state_dtype: str | None = None, *, replicate_mesh=None,
+                 shard_mesh=None, **options):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, post_polar=post_polar,
                         lr_scale=lr_scale, weight_decay=weight_decay, betas=betas, epsilon=epsilon,
-                        ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize)
+                        ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize, state_dtype=state_dtype)
         super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, **options)

@@ -23,13 +23,14 @@ import torch
 
 from .buckets import compute_dtype, stack_as
 from .comm import Axis
+from .hyperparams import state_dtype
 from .placement import MatrixLayout
 from .polar import polar
 from .vote import resolve_vote, vote_exchange
 
 
 def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
-    return {"momentum": torch.zeros_like(param)}
+    return {"momentum": torch.zeros_like(param, dtype=state_dtype(group, param))}
 
 
 def _ns_dtype(group: dict) -> torch.dtype | None:
