@@ -28,7 +28,6 @@ Writes results/comm.csv with the same numbers.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -42,6 +41,8 @@ from shardopt.comm import collective_bytes
 from shardopt.dion import compressed, oriented_shape, rank_of
 from shardopt.placement import MatrixLayout
 from shardopt.vote import VOTE_FORMATS, resolve_vote, vote_bytes
+
+from results_table import write_csv
 
 LAYERS = 12
 LAYER_SHAPES = {"attn.qkv": (2304, 768), "attn.proj": (768, 768), "mlp.fc": (3072, 768), "mlp.proj": (768, 3072)}
@@ -196,11 +197,7 @@ def main() -> None:
     print(f"GPT-2 small matrices: {LAYERS} layers × {list(LAYER_SHAPES)} = {numel:,} fp32 entries; "
           f"replicate-axis bytes one replica sends per optimizer step\n")
     print_table(table)
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(table[0]))
-        writer.writeheader()
-        writer.writerows(table)
+    write_csv(args.csv, table)
     mismatches = [r for r in table if r["measured_equals_formula"] is False or r["replicas_identical"] is False]
     print(f"\nwrote {args.csv} ({len(table)} rows) in {time.perf_counter() - start:.0f} s; "
           f"rerun: python launch/bench_comm.py [--measure-layers N] [--no-measure] [--csv PATH]")

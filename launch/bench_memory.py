@@ -16,13 +16,14 @@ create the state); the measured step runs `--ns-steps`. Writes results/step_memo
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from results_table import write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -148,11 +149,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows))
         return
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.csv, rows)
     print(f"wrote {args.csv}")
 
 

@@ -12,7 +12,6 @@ over rounds and the ratio to AdamW's median from the same run. Writes results/st
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +19,8 @@ from pathlib import Path
 import torch
 
 import shardopt
+
+from results_table import write_csv
 
 SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072)]
 OPTIMIZERS = {
@@ -71,11 +72,7 @@ def main() -> None:
                      "median_ms": round(median * 1e3, 3), "min_ms": round(min(samples) * 1e3, 3),
                      "vs_adamw": round(median / adamw, 2)})
         print(f"{name:<28}{median * 1e3:>12.1f}{min(samples) * 1e3:>10.1f}{median / adamw:>9.2f}×")
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.csv, rows)
     print(f"wrote {args.csv}; rerun: python launch/bench_step.py --rounds {args.rounds} --layers {args.layers}")
 
 

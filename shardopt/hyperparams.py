@@ -34,6 +34,7 @@ DEFAULTS = {
     "nesterov": False,
     "ns_steps": 5,
     "ns_dtype": None,
+    "compile": False,   # torch.compile the Newton–Schulz iterations (eager if compiling fails)
     "post_polar": False,
     "lr_scale": "none",
     "vote": "auto",
@@ -44,8 +45,9 @@ DEFAULTS = {
 KEYS = {
     "dion": ("lr", "weight_decay", "epsilon", "mu", "rank_fraction", "rank_multiple_of", "qr_method", "state_dtype"),
     "signmuon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "post_polar",
-                 "lr_scale", "vote", "orthogonalize", "state_dtype"),
-    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "orthogonalize", "state_dtype"),
+                 "lr_scale", "vote", "orthogonalize", "state_dtype", "compile"),
+    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "orthogonalize", "state_dtype",
+             "compile"),
     "adamw": ("lr", "weight_decay", "betas", "epsilon"),
     "lion": ("lr", "weight_decay", "betas"),
 }
@@ -108,6 +110,7 @@ def validate_group(group: dict, index: int) -> None:
         "state_dtype": lambda: _choice(group, "state_dtype", index, (None,) + STATE_DTYPES),
         "nesterov": lambda: _flag(group, "nesterov", index),
         "post_polar": lambda: _flag(group, "post_polar", index),
+        "compile": lambda: _flag(group, "compile", index),
         "betas": lambda: _betas(group, index),
     }
     for key in KEYS[algorithm]:

@@ -323,6 +323,7 @@ class Dion(ShardOptimizer):
 class SignMuon(ShardOptimizer):
     """Sign-Muon (DESIGN §2). vote: "allreduce_int8", "allgather_1bit", "alltoall_1bit" or "auto".
     state_dtype: dtype of the momentum ("float32", "bfloat16", …; None: the param's).
+    compile: torch.compile the Newton–Schulz iterations (eager if compiling fails; no gain on CPU).
     `options`: seed, agreement_timeout_s, nonfinite, bucket_bytes (see ShardOptimizer)."""
 
     matrix_algorithm = "signmuon"
@@ -330,9 +331,10 @@ class SignMuon(ShardOptimizer):
     def __init__(self, params, lr: float, momentum: float = 0.9, nesterov: bool = False, ns_steps: int = 5,
                  post_polar: bool = False, lr_scale: str = "none", weight_decay: float = 0.0,
                  betas=(0.9, 0.95), epsilon: float = 1e-8, ns_dtype: str | None = None, vote: str = "auto",
-                 orthogonalize: str = "shard", state_dtype: str | None = None, *, replicate_mesh=None,
-                 shard_mesh=None, **options):
+                 orthogonalize: str = "shard", state_dtype: str | None = None, compile: bool = False, *,
+                 replicate_mesh=None, shard_mesh=None, **options):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, post_polar=post_polar,
                         lr_scale=lr_scale, weight_decay=weight_decay, betas=betas, epsilon=epsilon,
-                        ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize, state_dtype=state_dtype)
+                        ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize, state_dtype=state_dtype,
+                        compile=compile)
         super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, **options)

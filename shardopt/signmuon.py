@@ -17,6 +17,7 @@ shard-axis traffic); with "full" each shard rank orthogonalizes whole matrices
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -33,21 +34,25 @@ def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int
     return {"momentum": torch.zeros_like(param, dtype=state_dtype(group, param))}
 
 
-def _ns_dtype(group: dict) -> torch.dtype | None:
-    """The group's Newton–Schulz dtype (None: bf16 on CUDA, fp32 elsewhere)."""
-    return getattr(torch, group["ns_dtype"]) if group["ns_dtype"] else None
+def _polar(group: dict):
+    """polar with the group's Newton–Schulz steps, dtype (None: bf16 on CUDA, fp32 elsewhere) and
+    `compile` option."""
+    dtype = getattr(torch, group["ns_dtype"]) if group["ns_dtype"] else None
+    return functools.partial(polar, steps=group["ns_steps"], dtype=dtype, compile=group["compile"])
 
 
-def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int, dtype):
+def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, orthogonalize):
     """polar of whole matrices whose rows are split over the shard axis, returned as this rank's rows
     (a generator of collectives).
 
     U_in: (k, m_i, n). Matrix j is owned by shard rank j mod F: an all-to-all sends every
-    row block to its owner, the owner orthogonalizes whole m×n matrices, and a second
-    all-to-all returns the row blocks. Shard-axis bytes: 2·(1 − own share)·k·m·n elements.
+    row block to its owner, the owner orthogonalizes whole m×n matrices (`orthogonalize`, a
+    polar with the group's settings), and a second all-to-all returns the row blocks: each
+    rank does 1/F of the bucket's Newton–Schulz work. Shard-axis bytes: 2·(1 − own share)·k·m·n
+    elements.
     """
     if not layout.sharded:
-        return polar(U_in, steps, dtype)
+        return orthogonalize(U_in)
     k, rows, n = U_in.shape
     owners = [list(range(owner, k, shard.size)) for owner in range(shard.size)]
     mine = owners[shard.rank]
@@ -56,7 +61,7 @@ def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int
     received = yield shard.all_to_all(torch.cat([U_in[m].reshape(-1, n) for m in owners]), to_owner, from_ranks,
                                       async_op=True)
     blocks = [piece.view(len(mine), rows_s, n) for piece, rows_s in zip(received.split(from_ranks), layout.shard_rows)]
-    U = polar(torch.cat(blocks, dim=1), steps, dtype)                               # (len(mine), m, n)
+    U = orthogonalize(torch.cat(blocks, dim=1))                                     # (len(mine), m, n)
     back = torch.cat([block.reshape(-1, n) for block in U.split(layout.shard_rows, dim=1)])
     returned = yield shard.all_to_all(back, from_ranks, to_owner, async_op=True)
     out = U.new_empty((k, rows, n))
@@ -86,8 +91,8 @@ def _direction(grads, states, group: dict, layout: MatrixLayout, shard: Axis):
         for momentum, grad in zip(M, grads):          # U-input (1−β)·G + β·M, in M's memory
             momentum.lerp_(grad.to(dtype), 1 - beta)
     if group["orthogonalize"] == "full":
-        return (yield from full_polar(M, layout, shard, group["ns_steps"], _ns_dtype(group)))
-    return polar(M, group["ns_steps"], _ns_dtype(group))
+        return (yield from full_polar(M, layout, shard, _polar(group)))
+    return _polar(group)(M)
 
 
 def _apply(params, update, group: dict, scale: float) -> None:
@@ -111,8 +116,7 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
     """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place).
     A generator that yields each collective (schedule.overlap runs it)."""
     V = yield from voted_direction(grads, states, group, layout, replicate, shard, seed)
-    update = polar(V.to(compute_dtype(params[0].dtype)), group["ns_steps"], _ns_dtype(group)) \
-        if group["post_polar"] else V
+    update = _polar(group)(V.to(compute_dtype(params[0].dtype))) if group["post_polar"] else V
     m, n = layout.shape
     scale = 1.0 if group["lr_scale"] == "none" else 1 / math.sqrt(n)
     _apply(params, update, group, scale)

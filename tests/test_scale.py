@@ -305,3 +305,26 @@ def test_param_missing_gradient_on_some_ranks_is_stepped_on_all_and_on_none_is_s
         assert result["has_state"] == [True, True, False]
         assert result["consistent"] and torch.equal(result["params"], results[0]["params"])
     assert math.isfinite(float(results[0]["params"].sum()))
+
+
+# ---- torch.compile option -------------------------------------------------------------------------
+def test_compile_falls_back_to_eager_when_compiling_fails(monkeypatch, caplog):
+    polar_module = sys.modules["shardopt.polar"]   # the module (shardopt.polar is also the function)
+
+    def failing(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("no compiler here")
+        return compiled
+    monkeypatch.setattr(torch, "compile", failing)
+    monkeypatch.setattr(polar_module, "_compiled", {})
+    G = torch.randn(3, 8, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with caplog.at_level("WARNING", logger="shardopt"):
+        got = polar_module.polar(G, 5, torch.float64, compile=True)
+    assert torch.equal(got, polar_module.polar(G, 5, torch.float64))
+    assert "torch.compile of Newton–Schulz failed" in caplog.text
+    assert "failed" in polar_module._compiled
+
+
+def test_bad_compile_flag_raises_value_error():
+    with pytest.raises(ValueError, match="compile"):
+        shardopt.SignMuon([torch.nn.Parameter(torch.zeros(4, 4))], lr=0.01, compile="yes")
