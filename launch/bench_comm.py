@@ -11,7 +11,7 @@ sends), Sign-Muon's three vote formats and "auto", Dion at rank_fraction 1/4 and
 Formula rows come from the same functions the communication layer counts with
 (`shardopt.comm.collective_bytes`, `shardopt.vote.vote_bytes` / `resolve_vote`,
 `shardopt.dion.compressed` / `oriented_shape` / `rank_of`), applied per bucket as the optimizer
-buckets matrices (one bucket per shape). Measured rows run one real optimizer step per exchange on
+buckets matrices (same-shape matrices, cut under the default bucket_bytes). Measured rows run one real optimizer step per exchange on
 gloo processes (2 and 4) with `--measure-layers` layers (default 1, to stay fast on a CPU) and read
 `comm_stats()`; they are scaled by 12/layers to the 12-layer model, and `measured == formula`
 compares the unscaled count with the formula for the layers run (every bucket here divides
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from shardopt.buckets import DEFAULT_BUCKET_BYTES, chunk_sizes
 from shardopt.comm import collective_bytes
 from shardopt.dion import compressed, oriented_shape, rank_of
 from shardopt.placement import MatrixLayout
@@ -57,8 +58,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def buckets(layers: int) -> list[tuple[tuple[int, int], int]]:
-    """(shape, matrices) per optimizer bucket: same-shape matrices share one bucket."""
-    return [(shape, layers) for shape in LAYER_SHAPES.values()]
+    """(shape, matrices) per optimizer bucket: same-shape matrices, cut under the default
+    bucket_bytes (shardopt/buckets.py; the cut a work split adds moves no bytes)."""
+    return [(shape, size) for shape in LAYER_SHAPES.values()
+            for size in chunk_sizes(layers, shape[0] * shape[1] * ITEMSIZE, DEFAULT_BUCKET_BYTES)]
 
 
 def fp32_allreduce_bytes(replicas: int, layers: int) -> int:

@@ -328,3 +328,38 @@ def test_compile_falls_back_to_eager_when_compiling_fails(monkeypatch, caplog):
 def test_bad_compile_flag_raises_value_error():
     with pytest.raises(ValueError, match="compile"):
         shardopt.SignMuon([torch.nn.Parameter(torch.zeros(4, 4))], lr=0.01, compile="yes")
+
+
+# ---- the vote's temporaries -------------------------------------------------------------------------
+def _vote_temporaries(fmt, n):
+    """Every tensor the vote's ops produce on this rank: (op name, dtype, numel)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardopt.vote import vote
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor):
+                    seen.append((str(func), tensor.dtype, tensor.numel()))
+            return out
+    positive = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank())) >= 0
+    with Record():
+        V = vote(positive, shardopt.comm.Axis("replicate", dist.group.WORLD), fmt, seed=9)
+    return {"seen": seen, "V": V}
+
+
+@pytest.mark.parametrize("fmt", ["allreduce_int8", "allgather_1bit", "alltoall_1bit"])
+def test_vote_makes_no_int64_or_replicas_by_entries_temporaries_and_draws_only_owned_coins(pool4, fmt):
+    n = 4096
+    results = pool4.run(_vote_temporaries, fmt, n)
+    for result in results:
+        wide = [s for s in result["seen"] if s[1] == torch.int64 and s[2] > 1]
+        assert not wide, wide
+        largest = max(s[2] * s[1].itemsize for s in result["seen"])
+        assert largest <= n, largest                      # bytes: at most one byte per entry (M·n would be 4n)
+        coins = [s[2] for s in result["seen"] if "randint" in s[0]]
+        assert coins == ({"allreduce_int8": [], "allgather_1bit": [n // 4] * 4, "alltoall_1bit": [n // 4]}[fmt])
+        assert torch.equal(result["V"], results[0]["V"])
