@@ -146,10 +146,10 @@ def main() -> None:
         if not args.json:
             print(f"{row['case']:<40}{row['param_mib']:>11.1f}{row['steady_mib']:>12.1f}{row['transient_mib']:>15.1f}"
                   f"{row['transient_vs_params']:>10.3f}{row['step_s']:>9.2f}", flush=True)
+            write_csv(args.csv, rows)                   # after every row: a long run keeps what it measured
     if args.json:
         print(json.dumps(rows))
         return
-    write_csv(args.csv, rows)
     print(f"wrote {args.csv}")
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .placement import local, matrix_buckets
+
 DEFAULT_BUCKET_BYTES = 16 * 2**20   # 16 MiB of fp32 working copy: four 1024×1024 matrices
 
 
@@ -33,6 +35,19 @@ def chunk_sizes(count: int, matrix_bytes: int, bucket_bytes: int, split: int = 1
     if count >= split > 1:
         per_bucket = max(split, per_bucket // split * split)
     return [min(per_bucket, count - start) for start in range(0, count, per_bucket)]
+
+
+def capped_buckets(params, bucket_bytes: int, split_of):
+    """(layout, dtype, bucket) for the matrices `params`: those sharing (layout, dtype, device)
+    (placement.matrix_buckets), in parameter order, cut by `chunk_sizes` under `bucket_bytes`;
+    split_of(layout) is how many ranks split a bucket's work. The optimizer steps these buckets
+    and traffic.py counts their bytes."""
+    for (layout, dtype, _), members in matrix_buckets(params).items():
+        matrix_bytes = local(members[0]).numel() * compute_dtype(dtype).itemsize
+        start = 0
+        for size in chunk_sizes(len(members), matrix_bytes, bucket_bytes, split_of(layout)):
+            yield layout, dtype, members[start:start + size]
+            start += size
 
 
 def stack_as(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -7,6 +7,9 @@ shard axis splits b (see `MatrixLayout.transpose`), with local rows b_i:
     P ← B·Q                                    (k, a, r)   shard: Σ over blocks; replicate: mean
     P ← orthonormalize(P)
     R ← Bᵀ·P                                   (k, b_i, r) replicate: mean
+                                               (P, R cross the replicate axis in `wire_dtype`,
+                                               rounded first: every replica holds the same values,
+                                               and the error feedback below uses them)
     M ← B − (1−μ)·P·Rᵀ                         error feedback, local to the replica
     Q ← R / (‖R[:, j]‖₂ + ε)                   column norms summed over the shard axis
     X ← (1 − lr·wd)·X − lr·√(m/n)·P·Qᵀ         X is m×n (fan_out×fan_in)
@@ -67,59 +70,79 @@ def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int
             "Q": like_param(param, Q, layout.shape[0]) if layout.sharded else Q}
 
 
-def work_split(layout: MatrixLayout, group: dict, replicate: Axis, shard: Axis) -> int:
+def work_split(layout: MatrixLayout, group: dict, replicas: int) -> int:
     """How many ranks share a bucket's orthonormalization: the shard ranks, times the replicas when
     P crosses the replicate axis (compressed); on the fallback the replicate axis carries G, and
     splitting there would add bytes."""
-    return shard.size * (replicate.size if compressed(layout, group) else 1)
+    return len(layout.shard_rows) * (replicas if compressed(layout, group) else 1)
 
 
-def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool):
+def wire_dtype(group: dict) -> torch.dtype:
+    """The group's replicate-axis precision of P and R (torch.bfloat16 or torch.float32)."""
+    return getattr(torch, group["wire_dtype"])
+
+
+def replicate_mean(T: torch.Tensor, replicate: Axis, wire: torch.dtype):
+    """T ← mean over the replicate axis, exchanged in `wire`: T is rounded to `wire` before the
+    all-reduce, so every replica gets the same values, returned in T's dtype (a generator).
+    Nothing is rounded on a replicate axis of size 1 (nothing is exchanged)."""
+    if replicate.size == 1:
+        return T
+    mean = yield replicate.all_reduce(T.to(wire), "mean", async_op=True)
+    return mean.to(T.dtype)
+
+
+def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool,
+                             wire: torch.dtype):
     """P ← mean_replicas(Σ_shards P) for P (k, a, r); a generator of collectives (see schedule.py).
 
     With both axes (HSDP) the replicate axis carries only this rank's a/F rows:
     reduce-scatter the rows over the shard axis, average the piece over the
-    replicate axis, all-gather it back (rows padded to a multiple of F).
+    replicate axis (in `wire`), all-gather it back in `wire` (lossless: the piece
+    holds `wire` values; rows padded to a multiple of F).
     """
     if not average_replicas:
         return (yield shard.all_reduce(P, "sum", async_op=True))
     if shard.size == 1:
-        return (yield replicate.all_reduce(P, "mean", async_op=True))
+        return (yield from replicate_mean(P, replicate, wire))
     k, a, r = P.shape
     rows = padded_length(a, shard.size)
     by_rows = torch.nn.functional.pad(P.permute(1, 0, 2), (0, 0, 0, 0, 0, rows - a))   # (rows, k, r)
     piece = yield shard.reduce_scatter(by_rows, async_op=True)                          # (rows/F, k, r)
-    piece = yield replicate.all_reduce(piece, "mean", async_op=True)
-    gathered = yield shard.all_gather(piece, async_op=True)
-    return gathered.reshape(rows, k, r)[:a].permute(1, 0, 2)
+    piece = yield from replicate_mean(piece, replicate, wire)
+    exchanged = piece.to(wire) if replicate.size > 1 else piece
+    gathered = yield shard.all_gather(exchanged, async_op=True)
+    return gathered.to(P.dtype).reshape(rows, k, r)[:a].permute(1, 0, 2)
 
 
-def split_orthonormalize(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool, orthonormalize_share):
+def split_orthonormalize(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool, orthonormalize_share,
+                         wire: torch.dtype):
     """orthonormalize(mean_replicas(Σ_shards P)) for P (k, a, r), k a multiple of S = F·W
     (W = replicate size when averaging, else 1), each rank orthonormalizing k/S matrices
     (a generator of collectives).
 
     Shard axis: reduce-scatter the matrices (rank i gets the sum of its k/F), all-gather at the
-    end. Replicate axis: reduce-scatter that piece (rank j gets the sum of its k/S), divide by W,
-    orthonormalize, all-gather. A reduce-scatter plus an all-gather moves 2(M−1)/M of the input,
-    the same bytes as the all-reduce it replaces.
+    end. Replicate axis, in `wire` (as the all-reduce it replaces): reduce-scatter that piece (rank
+    j gets the sum of its k/S), divide by W, orthonormalize in P's dtype, all-gather the result
+    rounded to `wire`, so every replica (the owner too) applies the same values. A reduce-scatter
+    plus an all-gather moves 2(M−1)/M of the input: the bytes of the all-reduce of P it replaces.
     """
     k, a, r = P.shape
     piece = (yield shard.reduce_scatter(P, async_op=True)) if shard.size > 1 else P
     voters = replicate.size if average_replicas else 1
     if voters > 1:
-        piece = yield replicate.reduce_scatter(piece, async_op=True)
-        piece /= voters
+        summed = yield replicate.reduce_scatter(piece.to(wire), async_op=True)
+        piece = summed.div_(voters).to(P.dtype)
     piece = orthonormalize_share(piece)
     if voters > 1:
-        piece = (yield replicate.all_gather(piece, async_op=True)).reshape(-1, a, r)
+        piece = (yield replicate.all_gather(piece.to(wire), async_op=True)).reshape(-1, a, r)
     if shard.size > 1:
         piece = (yield shard.all_gather(piece, async_op=True)).reshape(k, a, r)
-    return piece
+    return piece.to(P.dtype)
 
 
 def exchange_orthonormalize(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool,
-                            orthonormalize_share):
+                            orthonormalize_share, wire: torch.dtype):
     """orthonormalize(mean_replicas(Σ_shards P)) for P (k, a, r) (a generator of collectives). The
     first k − (k mod S) matrices go through `split_orthonormalize` (work split over S = F·W ranks);
     the rest, fewer than S, are exchanged whole and orthonormalized by every rank."""
@@ -128,9 +151,9 @@ def exchange_orthonormalize(P: torch.Tensor, shard: Axis, replicate: Axis, avera
     parts = []
     if even:
         parts.append((yield from split_orthonormalize(P[:even], shard, replicate, average_replicas,
-                                                      orthonormalize_share)))
+                                                      orthonormalize_share, wire)))
     if even < P.shape[0]:
-        rest = yield from sum_shards_mean_replicas(P[even:], shard, replicate, average_replicas)
+        rest = yield from sum_shards_mean_replicas(P[even:], shard, replicate, average_replicas, wire)
         parts.append(orthonormalize_share(rest))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -157,10 +180,11 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
     def orthonormalize_share(P):
         return orthonormalize(P, group["qr_method"], seed)
 
-    P = yield from exchange_orthonormalize(B @ Q, shard, replicate, low_rank, orthonormalize_share)
+    wire = wire_dtype(group)
+    P = yield from exchange_orthonormalize(B @ Q, shard, replicate, low_rank, orthonormalize_share, wire)
     R = B.mT @ P
     if low_rank:
-        R = yield replicate.all_reduce(R, "mean", async_op=True)
+        R = yield from replicate_mean(R, replicate, wire)
     # error feedback B ← B − (1−μ)·P·Rᵀ, in place on M's memory (Mᵀ ← Mᵀ − (1−μ)·R·Pᵀ when transposed)
     if layout.transpose:
         M.baddbmm_(R, P.mT, alpha=-(1 - group["mu"]))

@@ -41,14 +41,15 @@ def _polar(group: dict):
     return functools.partial(polar, steps=group["ns_steps"], dtype=dtype, compile=group["compile"])
 
 
-def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, orthogonalize):
+def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, orthogonalize, wire: torch.dtype):
     """polar of whole matrices whose rows are split over the shard axis, returned as this rank's rows
     (a generator of collectives).
 
     U_in: (k, m_i, n). Matrix j is owned by shard rank j mod F: an all-to-all sends every
     row block to its owner, the owner orthogonalizes whole m×n matrices (`orthogonalize`, a
     polar with the group's settings), and a second all-to-all returns the row blocks: each
-    rank does 1/F of the bucket's Newton–Schulz work. Shard-axis bytes: 2·(1 − own share)·k·m·n
+    rank does 1/F of the bucket's Newton–Schulz work. Both all-to-alls carry `wire` (bf16 halves
+    the bytes; only the signs of the result are used). Shard-axis bytes: 2·(1 − own share)·k·m·n
     elements.
     """
     if not layout.sharded:
@@ -58,22 +59,23 @@ def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, orthogonal
     mine = owners[shard.rank]
     to_owner = [len(matrices) * rows for matrices in owners]
     from_ranks = [len(mine) * rows_s for rows_s in layout.shard_rows]
-    received = yield shard.all_to_all(torch.cat([U_in[m].reshape(-1, n) for m in owners]), to_owner, from_ranks,
-                                      async_op=True)
+    received = yield shard.all_to_all(torch.cat([U_in[m].reshape(-1, n) for m in owners]).to(wire), to_owner,
+                                      from_ranks, async_op=True)
+    received = received.to(U_in.dtype)
     blocks = [piece.view(len(mine), rows_s, n) for piece, rows_s in zip(received.split(from_ranks), layout.shard_rows)]
     U = orthogonalize(torch.cat(blocks, dim=1))                                     # (len(mine), m, n)
-    back = torch.cat([block.reshape(-1, n) for block in U.split(layout.shard_rows, dim=1)])
-    returned = yield shard.all_to_all(back, from_ranks, to_owner, async_op=True)
+    back = torch.cat([block.reshape(-1, n) for block in U.split(layout.shard_rows, dim=1)]).to(wire)
+    returned = (yield shard.all_to_all(back, from_ranks, to_owner, async_op=True)).to(U.dtype)
     out = U.new_empty((k, rows, n))
     for matrices, piece in zip(owners, returned.split(to_owner)):
         out[matrices] = piece.view(len(matrices), rows, n)
     return out
 
 
-def work_split(layout: MatrixLayout, group: dict, replicate: Axis, shard: Axis) -> int:
+def work_split(layout: MatrixLayout, group: dict, replicas: int) -> int:
     """How many ranks share a bucket's Newton–Schulz work: the shard ranks with orthogonalize="full"
     (`full_polar`). The replicate axis never splits it: each replica orthogonalizes its own momentum."""
-    return shard.size if group["orthogonalize"] == "full" and layout.sharded else 1
+    return len(layout.shard_rows) if group["orthogonalize"] == "full" and layout.sharded else 1
 
 
 def _direction(grads, states, group: dict, layout: MatrixLayout, shard: Axis):
@@ -91,7 +93,7 @@ def _direction(grads, states, group: dict, layout: MatrixLayout, shard: Axis):
         for momentum, grad in zip(M, grads):          # U-input (1−β)·G + β·M, in M's memory
             momentum.lerp_(grad.to(dtype), 1 - beta)
     if group["orthogonalize"] == "full":
-        return (yield from full_polar(M, layout, shard, _polar(group)))
+        return (yield from full_polar(M, layout, shard, _polar(group), getattr(torch, group["wire_dtype"])))
     return _polar(group)(M)
 
 

@@ -14,6 +14,11 @@ Ties (possible only for even M): "allreduce_int8" carries a zero and abstains
 (V = 0); the 1-bit formats break the tie with a coin ±1 drawn from a seed all
 replicas share, so every replica gets the same V. n is padded to a multiple
 of 8 (1-bit formats) and of 8M ("alltoall_1bit").
+
+A replica may also abstain on chosen entries (`abstain`, e.g. Lion's exact zero
+direction sign(0) = 0): "allreduce_int8" sends a 0 there; a 1-bit format cannot
+carry a zero, so the replica sends the shared coin instead (unbiased: entries on
+which every replica abstains move by a fair ±1, not by a fixed −1/+1).
 """
 
 from __future__ import annotations
@@ -59,6 +64,12 @@ def resolve_vote(vote: str, n: int, voters: int) -> str:
     return min(VOTE_FORMATS, key=lambda f: (vote_bytes(f, n, voters), calls[f]))
 
 
+def coin(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    """n fair ±1 coins (int8) from `seed`; identical on every replica that passes the same seed."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, 2, (n,), generator=generator, device=device, dtype=torch.int8).mul_(2).sub_(1)
+
+
 def tie_coins(n: int, seed: int, voters: int, owner: int | None, device: torch.device) -> torch.Tensor:
     """±1 coins (int8) that break ties among an even number of `voters` on n entries.
 
@@ -69,38 +80,43 @@ def tie_coins(n: int, seed: int, voters: int, owner: int | None, device: torch.d
     that passes the same seed, so both formats break a tie alike.
     """
     chunk = padded_length(n, 8 * voters) // voters
-    owners = range(voters) if owner is None else [owner]
-    coins = torch.empty(len(owners) * chunk, dtype=torch.int8, device=device)
-    for position, drawn_by in enumerate(owners):
-        generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + drawn_by) % 2**63)
-        piece = coins[position * chunk:(position + 1) * chunk]
-        torch.randint(0, 2, (chunk,), generator=generator, device=device, dtype=torch.int8, out=piece)
-        piece.mul_(2).sub_(1)
-    return coins[:n] if owner is None else coins
+    if owner is not None:
+        return coin(chunk, (seed * 1_000_003 + owner) % 2**63, device)
+    return torch.cat([coin(chunk, (seed * 1_000_003 + o) % 2**63, device) for o in range(voters)])[:n]
 
 
-def vote(positive: torch.Tensor, axis: Axis, fmt: str, seed: int) -> torch.Tensor:
+def abstain_seed(seed: int) -> int:
+    """The seed of the coins a replica sends where it abstains (independent of the tie coins)."""
+    return (seed * 6364136223846793005 + 1442695040888963407) % 2**63
+
+
+def vote(positive: torch.Tensor, axis: Axis, fmt: str, seed: int, abstain: torch.Tensor | None = None) -> torch.Tensor:
     """V = sign(Σ_replicas sᵢ) for a flat bool tensor `positive` (n,). Returns int8 (n,) in {−1, 0, +1}.
 
     `fmt` is a resolved format (not "auto"); `seed` must be equal on all replicas
-    (it seeds the tie-breaking coins of the 1-bit formats).
+    (it seeds the tie-breaking coins of the 1-bit formats). `abstain` (bool (n,), optional):
+    entries where this replica's sᵢ is 0 (see the module docstring).
     """
-    return complete(vote_exchange(positive, axis, fmt, seed))
+    return complete(vote_exchange(positive, axis, fmt, seed, abstain))
 
 
-def vote_exchange(positive: torch.Tensor, axis: Axis, fmt: str, seed: int):
+def vote_exchange(positive: torch.Tensor, axis: Axis, fmt: str, seed: int, abstain: torch.Tensor | None = None):
     """`vote` as a generator of collectives, for schedule.overlap.
 
     Working memory per entry: a few bytes (bool/int8/uint8 counts), never int64 and never an
     (M × n) unpacked tensor: gathered bits are counted one replica's row at a time."""
     n = positive.numel()
     voters = axis.size
-    if voters == 1:
-        return as_signs(positive)
-    if fmt == "allreduce_int8":
-        wire = as_signs(positive, _int_wire_dtype(voters))
-        total = yield axis.all_reduce(wire, "sum", async_op=True)
+    if voters == 1 or fmt == "allreduce_int8":
+        signs = as_signs(positive, torch.int8 if voters == 1 else _int_wire_dtype(voters))
+        if abstain is not None:
+            signs.masked_fill_(abstain, 0)
+        if voters == 1:
+            return signs
+        total = yield axis.all_reduce(signs, "sum", async_op=True)
         return torch.sign(total).to(torch.int8)
+    if abstain is not None:   # its own coin: reusing the tie coin would let an abstainer decide every tie
+        positive = torch.where(abstain, coin(n, abstain_seed(seed), positive.device) > 0, positive)
     even = voters % 2 == 0
     if fmt == "allgather_1bit":
         gathered = yield axis.all_gather(pack_signs(positive), async_op=True)   # (M, ceil(n/8))

@@ -171,7 +171,7 @@ def test_dion_rcqr_matches_float64_reference():
 SPLIT_SHAPE, SPLIT_COUNT, SPLIT_STEPS = (32, 16), 8, 4
 
 
-def _split_dion_run(use_mesh):
+def _split_dion_run(use_mesh, wire_dtype):
     """Dion 1/4 on 8 same-shape matrices (one bucket), replicas on the world or one process alone,
     counting the matrices and FLOPs (2·a·r² each, Householder) that this rank orthonormalizes."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -189,7 +189,7 @@ def _split_dion_run(use_mesh):
         initial = [torch.randn(*SPLIT_SHAPE, generator=generator, dtype=torch.float64) for _ in range(SPLIT_COUNT)]
         params = [torch.nn.Parameter(x.clone()) for x in initial]
         opt = shardopt.Dion(params, rank_fraction=0.25, replicate_mesh=dist.group.WORLD if use_mesh else None,
-                            seed=1, **hyper)
+                            seed=1, wire_dtype=wire_dtype, **hyper)
         m, n = SPLIT_SHAPE
         r = shardopt.lowrank.dion_rank(m, n, 0.25, 1)
         loops = [[X, torch.zeros_like(X), reference.initial_q(n, r, reference.optimizer_param_seed(1, i))]
@@ -209,20 +209,24 @@ def _split_dion_run(use_mesh):
         shardopt.dion.orthonormalize = original
 
 
-def test_dion_orthonormalization_split_over_4_replicas_same_bytes(pool4):
-    split = pool4.run(_split_dion_run, True)
-    alone = pool4.run(_split_dion_run, False)[0]
+# (wire dtype, relative error bound vs the float64 reference): float32 as the reference's 1e-6; bfloat16
+# rounds P (and the orthonormalized P that the owners gather) and R to 8 mantissa bits, as test_replicate.py
+@pytest.mark.parametrize("wire_dtype, tolerance", [("float32", 1e-6), ("bfloat16", 1e-3)])
+def test_dion_orthonormalization_split_over_4_replicas_same_bytes(pool4, wire_dtype, tolerance):
+    split = pool4.run(_split_dion_run, True, wire_dtype)
+    alone = pool4.run(_split_dion_run, False, wire_dtype)[0]
     m, n = SPLIT_SHAPE
     r = shardopt.lowrank.dion_rank(m, n, 0.25, 1)
+    wire = torch.empty(0, dtype=getattr(torch, wire_dtype)).element_size()
     for result in split:
         assert result["flops"] <= 0.35 * alone["flops"], (result["flops"], alone["flops"])
         assert result["matrices"] == SPLIT_COUNT * SPLIT_STEPS // 4
-        assert result["error"] <= 1e-6
-        # DESIGN §1: 2(M−1)/M·(a + b)·r·8 bytes per matrix per step, plus the one-float check
-        design = SPLIT_COUNT * collective_bytes("all_reduce", (m + n) * r * 8, 4) + collective_bytes("all_reduce", 4, 4)
+        assert result["error"] <= tolerance
+        # DESIGN §1: 2(M−1)/M·(a + b)·r·wire bytes per matrix per step, plus the one-float check
+        design = SPLIT_COUNT * collective_bytes("all_reduce", (m + n) * r * wire, 4) + collective_bytes("all_reduce", 4, 4)
         assert result["bytes"] == SPLIT_STEPS * design
         assert torch.equal(result["params"], split[0]["params"]) and result["consistent"]
-    assert alone["error"] <= 1e-6 and alone["bytes"] == 0
+    assert alone["error"] <= 1e-6 and alone["bytes"] == 0   # one replica: nothing exchanged, nothing rounded
 
 
 def _split_dion_sharded(replicate, shard):
@@ -247,7 +251,8 @@ def _split_dion_sharded(replicate, shard):
         initial = [p.detach().clone() for p in model]
         fully_shard(model, mesh=mesh["shard"])
         params = list(model.parameters())
-        opt = shardopt.Dion(params, rank_fraction=0.25, replicate_mesh=mesh["replicate"], seed=3, **hyper)
+        opt = shardopt.Dion(params, rank_fraction=0.25, replicate_mesh=mesh["replicate"], seed=3, wire_dtype="float32",
+                            **hyper)
         r = shardopt.lowrank.dion_rank(24, 16, 0.25, 1)
         refs = [[X, torch.zeros_like(X), reference.initial_q(24, r, reference.optimizer_param_seed(3, i))]
                 for i, X in enumerate(initial)]
