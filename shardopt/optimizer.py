@@ -346,7 +346,8 @@ class SignMuon(ShardOptimizer):
     orthogonalize="full": torch.float32 (default, the exact Muon direction) or torch.bfloat16 (half
     the shard-axis bytes; only the signs of the result are used).
     state_dtype: dtype of the momentum ("float32", "bfloat16", …; None: the param's).
-    compile: torch.compile the Newton–Schulz iterations (eager if compiling fails; no gain on CPU).
+    compile: torch.compile the Newton–Schulz iterations (eager if compiling fails; off by default,
+        on the CPU it slowed all but small matrices: results/compile.csv).
     `options`: seed, agreement_timeout_s, nonfinite, bucket_bytes (see ShardOptimizer)."""
 
     matrix_algorithm = "signmuon"
