@@ -360,6 +360,7 @@ def test_train_script_runs_under_torchrun(config, tmp_path):
     """The GPT of integrations/model.py on a small byte corpus in the prepared layout."""
     text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(500))
     (tmp_path / "train.bin").write_bytes(text)
+    (tmp_path / "meta.json").write_text('{"vocab_size": 256, "dtype": "uint8"}')
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(ROOT / "integrations" / "deepspeed" / "train.py"), "--data-dir", str(tmp_path),
