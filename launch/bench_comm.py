@@ -22,7 +22,6 @@ Writes results/comm.csv; `python launch/results_table.py --readme README.md` put
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "integrations"))
 import shardopt  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from results_table import write_csv  # noqa: E402
 from shardopt import traffic  # noqa: E402
 
 REPLICAS = (2, 4, 8, 64)
@@ -180,11 +180,7 @@ def main() -> None:
             f"{', replicas identical' if row['replicas_identical'] else ', REPLICAS DIFFER'})"
         print(f"{row['model']:<20} {row['replicas']:>3} {row['method']:<15} {row['scalar']:<6} {row['bytes_per_step']:>16,} "
               f"{'1/' + format(row['vs_ddp_fp32'], '.1f'):>12} {'1/' + format(row['vs_ddp_bf16'], '.1f'):>12}  {check}")
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.csv, rows)
     bad = [r for r in rows if r["measured_equals_formula"] is False or r["replicas_identical"] is False]
     print(f"\nwrote {args.csv} ({len(rows)} rows) in {time.perf_counter() - start:.0f} s; "
           f"rerun: python launch/bench_comm.py [--no-measure]")

@@ -20,7 +20,6 @@ column is empty on CPU). Writes results/step_time.csv (--csv).
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +27,8 @@ from pathlib import Path
 import torch
 
 import shardopt
+
+from results_table import write_csv
 
 SHAPES = {"attn.qkv": (2304, 768), "attn.proj": (768, 768), "mlp.fc": (3072, 768), "mlp.proj": (768, 3072),
           "square": (2048, 2048)}
@@ -112,11 +113,7 @@ def main() -> None:
                      "peak_step_bytes": "" if peak is None else peak})
         print(f"{label:<32}{matrix + ' ' + shape:<20}{median * 1e3:>10.1f}{median / baseline:>8.2f}×"
               f"{state / 1e6:>10.2f}{'' if peak is None else f'{peak / 1e6:.2f}':>9}")
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.csv, rows)
     print(f"wrote {args.csv}; rerun: python launch/bench_step.py --rounds {args.rounds} --device {args.device}")
 
 

@@ -24,6 +24,16 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin (results/comm.csv) -->", "<!-- headline:end -->"
 
 
+def write_csv(path, rows: list[dict]) -> None:
+    """Write a benchmark's rows (dicts with the same keys) to `path`, creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def human_bytes(count: float) -> str:
     """3 significant digits, decimal units: 1657092 → "1.66 MB"."""
     for unit in ("B", "KB", "MB", "GB"):

@@ -24,7 +24,9 @@ import math
 
 import torch
 
+from .buckets import compute_dtype, stack_as
 from .comm import Axis
+from .hyperparams import state_dtype
 from .lowrank import column_normalize, dion_rank, orthonormalize
 from .placement import MatrixLayout, like_param, local
 from .signs import padded_length
@@ -61,9 +63,18 @@ def initial_q(layout: MatrixLayout, group: dict, seed: int, dtype: torch.dtype, 
 
 def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
     """momentum: zeros like X (a DTensor placed like X when X is one); Q: b×r, a DTensor with X's
-    row placement when the shard axis splits b."""
-    Q = initial_q(layout, group, seed, param.dtype, local(param).device)
-    return {"momentum": torch.zeros_like(param), "Q": like_param(param, Q, layout.shape[0]) if layout.sharded else Q}
+    row placement when the shard axis splits b; both in the group's state dtype."""
+    dtype = state_dtype(group, param)
+    Q = initial_q(layout, group, seed, dtype, local(param).device)
+    return {"momentum": torch.zeros_like(param, dtype=dtype),
+            "Q": like_param(param, Q, layout.shape[0]) if layout.sharded else Q}
+
+
+def work_split(layout: MatrixLayout, group: dict, replicas: int) -> int:
+    """How many ranks share a bucket's orthonormalization: the shard ranks, times the replicas when
+    P crosses the replicate axis (compressed); on the fallback the replicate axis carries G, and
+    splitting there would add bytes."""
+    return len(layout.shard_rows) * (replicas if compressed(layout, group) else 1)
 
 
 def wire_dtype(group: dict) -> torch.dtype:
@@ -104,37 +115,93 @@ def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, aver
     return gathered.to(P.dtype).reshape(rows, k, r)[:a].permute(1, 0, 2)
 
 
+def split_orthonormalize(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool, orthonormalize_share,
+                         wire: torch.dtype):
+    """orthonormalize(mean_replicas(Σ_shards P)) for P (k, a, r), k a multiple of S = F·W
+    (W = replicate size when averaging, else 1), each rank orthonormalizing k/S matrices
+    (a generator of collectives).
+
+    Shard axis: reduce-scatter the matrices (rank i gets the sum of its k/F), all-gather at the
+    end. Replicate axis, in `wire` (as the all-reduce it replaces): reduce-scatter that piece (rank
+    j gets the sum of its k/S), divide by W, orthonormalize in P's dtype, all-gather the result
+    rounded to `wire`, so every replica (the owner too) applies the same values. A reduce-scatter
+    plus an all-gather moves 2(M−1)/M of the input: the bytes of the all-reduce of P it replaces.
+    """
+    k, a, r = P.shape
+    piece = (yield shard.reduce_scatter(P, async_op=True)) if shard.size > 1 else P
+    voters = replicate.size if average_replicas else 1
+    if voters > 1:
+        summed = yield replicate.reduce_scatter(piece.to(wire), async_op=True)
+        piece = summed.div_(voters).to(P.dtype)
+    piece = orthonormalize_share(piece)
+    if voters > 1:
+        piece = (yield replicate.all_gather(piece.to(wire), async_op=True)).reshape(-1, a, r)
+    if shard.size > 1:
+        piece = (yield shard.all_gather(piece, async_op=True)).reshape(k, a, r)
+    return piece.to(P.dtype)
+
+
+def exchange_orthonormalize(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool,
+                            orthonormalize_share, wire: torch.dtype):
+    """orthonormalize(mean_replicas(Σ_shards P)) for P (k, a, r) (a generator of collectives). The
+    first k − (k mod S) matrices go through `split_orthonormalize` (work split over S = F·W ranks);
+    the rest, fewer than S, are exchanged whole and orthonormalized by every rank."""
+    split = shard.size * (replicate.size if average_replicas else 1)
+    even = P.shape[0] - P.shape[0] % split
+    parts = []
+    if even:
+        parts.append((yield from split_orthonormalize(P[:even], shard, replicate, average_replicas,
+                                                      orthonormalize_share, wire)))
+    if even < P.shape[0]:
+        rest = yield from sum_shards_mean_replicas(P[even:], shard, replicate, average_replicas, wire)
+        parts.append(orthonormalize_share(rest))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
     """One Dion step on a bucket of same-layout matrices (local tensors, updated in place).
-    A generator that yields each collective (schedule.overlap runs it)."""
-    dtype = torch.promote_types(params[0].dtype, torch.float32)
-    G = torch.stack(grads).to(dtype)
-    B = torch.stack([s["momentum"] for s in states]).to(dtype)
-    Q = torch.stack([s["Q"] for s in states]).to(dtype)
+    A generator that yields each collective (schedule.overlap runs it).
+
+    Working memory: one fp32 copy of the bucket's momenta (B, updated in place), k·(a + b)·r for
+    P, Q, R, and one matrix's update at a time."""
+    dtype = compute_dtype(params[0].dtype)
     low_rank = compressed(layout, group)
-    if not low_rank:
-        G = yield replicate.all_reduce(G, "mean", async_op=True)
-    if layout.transpose:
-        G, B = G.mT, B.mT
-    B += G
+    M = stack_as([s["momentum"] for s in states], dtype)            # (k, m_i, n), X's orientation
+    if low_rank:
+        for momentum, grad in zip(M, grads):
+            momentum.add_(grad)
+    else:
+        G = yield replicate.all_reduce(stack_as(grads, dtype), "mean", async_op=True)
+        M += G
+        del G
+    B = M.mT if layout.transpose else M                              # (k, a, b_i)
+    Q = stack_as([s["Q"] for s in states], dtype)
+
+    def orthonormalize_share(P):
+        return orthonormalize(P, group["qr_method"], seed)
 
     wire = wire_dtype(group)
-    P = yield from sum_shards_mean_replicas(B @ Q, shard, replicate, low_rank, wire)
-    P = orthonormalize(P, group["qr_method"])
+    P = yield from exchange_orthonormalize(B @ Q, shard, replicate, low_rank, orthonormalize_share, wire)
     R = B.mT @ P
     if low_rank:
         R = yield from replicate_mean(R, replicate, wire)
-    B.sub_(P @ R.mT, alpha=1 - group["mu"])
+    # error feedback B ← B − (1−μ)·P·Rᵀ, in place on M's memory (Mᵀ ← Mᵀ − (1−μ)·R·Pᵀ when transposed)
+    if layout.transpose:
+        M.baddbmm_(R, P.mT, alpha=-(1 - group["mu"]))
+    else:
+        M.baddbmm_(P, R.mT, alpha=-(1 - group["mu"]))
+    for state, momentum in zip(states, M):
+        state["momentum"].copy_(momentum)
+    del B, M
     col_sq_norms = yield shard.all_reduce((R * R).sum(dim=-2), "sum", async_op=True)
     Q = column_normalize(R, col_sq_norms, Q, group["epsilon"])
 
-    update = P @ Q.mT
-    if layout.transpose:
-        B, update = B.mT, update.mT
     m, n = layout.shape
     lr = group["lr"]
     scale = math.sqrt(m / n)
     for i, (param, state) in enumerate(zip(params, states)):
-        state["momentum"].copy_(B[i])
         state["Q"].copy_(Q[i])
-        param.mul_(1 - lr * group["weight_decay"]).add_(update[i].to(param.dtype), alpha=-lr * scale)
+        update = P[i] @ Q[i].mT                                       # a×b_i
+        if layout.transpose:
+            update = update.mT
+        param.mul_(1 - lr * group["weight_decay"]).add_(update.to(param.dtype), alpha=-lr * scale)

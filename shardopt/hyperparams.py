@@ -15,8 +15,9 @@ MATRIX_ALGORITHMS = ("dion", "signmuon", "muon")
 LR_SCALES = ("none", "unit_gain")
 ORTHOGONALIZE = ("shard", "full")
 NS_DTYPES = ("float32", "float64", "bfloat16", "float16")
+STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 WIRE_DTYPES = ("bfloat16", "float32")
-DTYPE_KEYS = ("ns_dtype", "wire_dtype")   # accept a torch.dtype or its name; the group holds the name
+DTYPE_KEYS = ("ns_dtype", "wire_dtype", "state_dtype")   # accept a torch.dtype or its name; the group holds the name
 
 # Every group carries every key (as torch.optim does); each algorithm reads its own.
 DEFAULTS = {
@@ -25,6 +26,8 @@ DEFAULTS = {
     "maximize": False,   # every algorithm: step along +gradient (torch.optim's maximize)
     "betas": (0.9, 0.95),
     "epsilon": 1e-8,
+    # matrix algorithms: dtype of the momentum (and Dion's Q); None = the param's dtype
+    "state_dtype": None,
     # Dion
     "mu": 0.95,
     "rank_fraction": 1.0,
@@ -35,6 +38,7 @@ DEFAULTS = {
     "nesterov": False,
     "ns_steps": 5,
     "ns_dtype": None,
+    "compile": False,   # torch.compile the Newton–Schulz iterations (eager if compiling fails)
     "post_polar": False,
     "lr_scale": "none",
     "vote": "auto",
@@ -45,10 +49,12 @@ DEFAULTS = {
 
 # Which keys each algorithm reads (validated only where read).
 KEYS = {
-    "dion": ("lr", "weight_decay", "epsilon", "mu", "rank_fraction", "rank_multiple_of", "qr_method", "wire_dtype"),
+    "dion": ("lr", "weight_decay", "epsilon", "mu", "rank_fraction", "rank_multiple_of", "qr_method", "wire_dtype",
+             "state_dtype"),
     "signmuon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "post_polar",
-                 "lr_scale", "vote", "orthogonalize", "wire_dtype"),
-    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "orthogonalize", "wire_dtype"),
+                 "lr_scale", "vote", "orthogonalize", "wire_dtype", "state_dtype", "compile"),
+    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "orthogonalize", "wire_dtype",
+             "state_dtype", "compile"),
     "adamw": ("lr", "weight_decay", "betas", "epsilon"),
     "lion": ("lr", "weight_decay", "betas", "vote"),
 }
@@ -90,7 +96,7 @@ def _flag(group, key, index):
 
 
 def normalize_dtype_names(group: dict) -> None:
-    """In place: a torch.dtype given for ns_dtype / wire_dtype becomes its name ("bfloat16"), so
+    """In place: a torch.dtype given for ns_dtype / wire_dtype / state_dtype becomes its name ("bfloat16"), so
     param groups hold plain strings (state_dict, JSON checkpoint metadata)."""
     for key in DTYPE_KEYS:
         if isinstance(group.get(key), torch.dtype):
@@ -126,14 +132,22 @@ def validate_group(group: dict, index: int, explicit_keys=()) -> None:
         "vote": lambda: _choice(group, "vote", index, VOTES),
         "orthogonalize": lambda: _choice(group, "orthogonalize", index, ORTHOGONALIZE),
         "ns_dtype": lambda: _choice(group, "ns_dtype", index, (None,) + NS_DTYPES),
+        "state_dtype": lambda: _choice(group, "state_dtype", index, (None,) + STATE_DTYPES),
         "wire_dtype": lambda: _choice(group, "wire_dtype", index, WIRE_DTYPES),
         "nesterov": lambda: _flag(group, "nesterov", index),
         "post_polar": lambda: _flag(group, "post_polar", index),
         "maximize": lambda: _flag(group, "maximize", index),
+        "compile": lambda: _flag(group, "compile", index),
         "betas": lambda: _betas(group, index),
     }
     for key in KEYS[algorithm] + COMMON_KEYS:
         checks[key]()
+
+
+def state_dtype(group: dict, param: torch.Tensor) -> torch.dtype:
+    """The dtype of a matrix param's optimizer state: the group's `state_dtype`, else the param's.
+    The step computes in fp32 whatever the state dtype (shardopt.buckets.compute_dtype)."""
+    return getattr(torch, group["state_dtype"]) if group.get("state_dtype") else param.dtype
 
 
 def _betas(group, index):

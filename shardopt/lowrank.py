@@ -8,7 +8,8 @@ import math
 
 import torch
 
-QR_METHODS = ("qr", "cholesky")
+QR_METHODS = ("qr", "cholesky", "rcqr")
+RCQR_OVERSAMPLE = 1.25   # sketch rows = ceil(1.25·r / 128)·128, as in the Dion paper's code
 
 
 def dion_rank(m: int, n: int, rank_fraction: float, rank_multiple_of: int) -> int:
@@ -17,22 +18,29 @@ def dion_rank(m: int, n: int, rank_fraction: float, rank_multiple_of: int) -> in
     return min(k, math.ceil(rank_fraction * k / rank_multiple_of) * rank_multiple_of)
 
 
-def orthonormalize(P: torch.Tensor, method: str = "qr") -> torch.Tensor:
+def orthonormalize(P: torch.Tensor, method: str = "qr", seed: int = 0) -> torch.Tensor:
     """Orthonormal basis of the column space of each P (..., a, r), a ≥ r.
 
-    "qr": Householder QR. "cholesky": Cholesky-QR, P·R⁻¹ with RᵀR = PᵀP, twice
-    for accuracy; it falls back to Householder QR when PᵀP is not positive
-    definite (that check reads `info` back from the device: one sync).
+    "qr": Householder QR (the exact path). "cholesky": Cholesky-QR, P·R⁻¹ with
+    RᵀR = PᵀP, twice for accuracy. "rcqr": randomized Cholesky-QR (Dion paper):
+    a Gaussian sketch S (s×a, N(0, 1/s), s = ceil(1.25·r/128)·128 rows, drawn
+    from `seed` so every rank draws the same S) gives R from QR(S·P), then
+    P₁ = P·R⁻¹ is well conditioned and one Cholesky-QR step finishes it:
+    Q = P₁·L⁻ᵀ with L·Lᵀ = P₁ᵀP₁. Cost O(s·a·r + a·r²) instead of Householder's
+    sequential O(a·r²). Both Cholesky variants fall back to Householder QR when
+    a factorization fails (rank-deficient P; that check reads the result back
+    from the device: one sync).
     A matrix that is all zeros maps to all zeros (Householder QR would give an
     arbitrary basis), so a zero update stays zero.
     """
     if method not in QR_METHODS:
         raise ValueError(f"qr_method must be one of {QR_METHODS}, got {method!r}")
+    Q = None
     if method == "cholesky":
         Q = _cholesky_qr(P)
-        if Q is None:
-            Q = torch.linalg.qr(P).Q
-    else:
+    elif method == "rcqr":
+        Q = _randomized_cholesky_qr(P, seed)
+    if Q is None:
         Q = torch.linalg.qr(P).Q
     nonzero = P.abs().amax(dim=(-2, -1), keepdim=True) > 0
     return torch.where(nonzero, Q, torch.zeros_like(Q))
@@ -45,6 +53,22 @@ def _cholesky_qr(P: torch.Tensor) -> torch.Tensor | None:
         if bool((info != 0).any()):
             return None
         Q = torch.linalg.solve_triangular(L, Q.mT, upper=False).mT
+    return Q
+
+
+def _randomized_cholesky_qr(P: torch.Tensor, seed: int) -> torch.Tensor | None:
+    a, r = P.shape[-2:]
+    zero = P.abs().amax(dim=(-2, -1), keepdim=True) == 0     # zero matrices give NaN here; the caller zeroes them
+    rows = math.ceil(RCQR_OVERSAMPLE * r / 128) * 128
+    generator = torch.Generator(device=P.device).manual_seed(seed)
+    sketch = torch.randn((*P.shape[:-2], rows, a), generator=generator, dtype=P.dtype, device=P.device)
+    sketch /= math.sqrt(rows)
+    R = torch.linalg.qr(sketch @ P, mode="r").R
+    P = torch.linalg.solve_triangular(R, P, upper=True, left=False)
+    L, info = torch.linalg.cholesky_ex(P.mT @ P)
+    Q = torch.linalg.solve_triangular(L.mT, P, upper=True, left=False)
+    if bool(((info != 0) & ~zero[..., 0, 0]).any() | ~(torch.isfinite(Q) | zero).all()):
+        return None
     return Q
 
 

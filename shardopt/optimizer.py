@@ -14,11 +14,12 @@ import zlib
 import torch
 
 from . import dion, scalar, signmuon, traffic
+from .buckets import DEFAULT_BUCKET_BYTES, capped_buckets
 from .checks import check_gradients, check_group_keys, check_options, check_state_dict
 from .clipping import clip_grad_norm_
 from .comm import Axis
-from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names, validate_group
-from .placement import derive_meshes, local, matrix_buckets
+from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names, state_dtype, validate_group
+from .placement import derive_meshes, local
 from .schedule import complete, overlap
 
 logger = logging.getLogger("shardopt")
@@ -27,6 +28,7 @@ MATRIX_INIT = {"dion": dion.init_state, "signmuon": signmuon.init_state, "muon":
 # The tensors of each algorithm's per-param state (besides "step"); load_state_dict checks against it.
 STATE_KEYS = {"dion": ("momentum", "Q"), "signmuon": ("momentum",), "muon": ("momentum",),
               "adamw": ("exp_avg", "exp_avg_sq"), "lion": ("exp_avg",)}
+MATRIX_SPLIT = {"dion": dion.work_split, "signmuon": signmuon.work_split, "muon": signmuon.work_split}
 # the state each replica keeps for itself (averaged by synchronize_for_checkpoint)
 DECOUPLED_MOMENTUM = {"dion": "momentum", "signmuon": "momentum", "muon": "momentum", "lion": "exp_avg"}
 
@@ -51,6 +53,14 @@ class ShardOptimizer(torch.optim.Optimizer):
     maximize: step along +gradient (torch.optim's maximize), for every algorithm; a group default.
     foreach, fused, capturable, differentiable: torch.optim options shardopt refuses with a
         TypeError that says what it does instead (None, the default, is accepted).
+    bucket_bytes: cap on a bucket's stacked working copy (fp32; fp64 for fp64 params), so a step's
+        transient memory is O(bucket_bytes), not O(model); see shardopt/buckets.py.
+
+    Which params a step updates is agreed by all ranks: those with a gradient on at least one
+    rank. A rank without a local gradient for such a param steps it with a zero gradient (it
+    joins the same collectives); a param without a gradient on every rank is skipped everywhere.
+    The same one-float check carries it; only a step where some rank lacks a gradient adds one
+    all-reduce of one byte per param.
     """
 
     matrix_algorithm = "dion"
@@ -58,10 +68,15 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
                  agreement_timeout_s: float = 60.0, nonfinite: str = "skip", max_grad_norm: float = 0.0,
-                 maximize: bool = False, foreach=None, fused=None, capturable=None, differentiable=None):
+                 maximize: bool = False, foreach=None, fused=None, capturable=None, differentiable=None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         check_options(seed=seed, agreement_timeout_s=agreement_timeout_s, nonfinite=nonfinite,
                       max_grad_norm=max_grad_norm, maximize=maximize, foreach=foreach, fused=fused,
                       capturable=capturable, differentiable=differentiable)
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r}; bucket_bytes must be a positive integer "
+                             f"(bytes of a bucket's fp32 working copy, default {DEFAULT_BUCKET_BYTES})")
+        self.bucket_bytes = bucket_bytes
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.seed = int(seed)
@@ -113,13 +128,15 @@ class ShardOptimizer(torch.optim.Optimizer):
                        for p, label in self._param_label.items()]
         settings = [repr(sorted((k, v) for k, v in g.items() if k not in ("params", "lr"))) for g in self.param_groups]
         fields = {"number of params": len(description), "param shapes/dtypes/placements": zlib.crc32("\n".join(description).encode()),
-                  "group settings": zlib.crc32("\n".join(settings).encode()), "seed": self.seed}
+                  "group settings": zlib.crc32("\n".join(settings).encode()), "seed": self.seed,
+                  "bucket_bytes": self.bucket_bytes}
         for axis in (self.replicate, self.shard):
             per_rank = axis.agree(list(fields.values()), timeout_s)
             for position, field in enumerate(fields):
                 values = [row[position] for row in per_rank]
                 if len(set(values)) > 1:
-                    shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if field in ("number of params", "seed") \
+                    shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) \
+                        if field in ("number of params", "seed", "bucket_bytes") \
                         else ", ".join(f"rank {r}: {'same as rank 0' if v == values[0] else 'different'}" for r, v in enumerate(values))
                     raise ValueError(f"ranks of the {axis.name} axis disagree on the {field} ({shown}); every rank "
                                      f"must build the optimizer from the same model and arguments")
@@ -132,11 +149,12 @@ class ShardOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         check_gradients(self._param_label.items())
-        if self._nonfinite_gradients():
+        stepping = self._agreed_gradients()
+        if stepping is None:
             return loss
         if self.max_norm > 0:
             self.last_grad_norm = self.clip_grad_norm_(self.max_norm)
-        overlap(self._bucket_steps(), depth=self.overlap_depth)
+        overlap(self._bucket_steps(stepping), depth=self.overlap_depth)
         return loss
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -156,24 +174,43 @@ class ShardOptimizer(torch.optim.Optimizer):
         """True, on every rank alike, when any rank of either axis has a NaN/inf in its local `grads`
         (or a gradient norm that overflows its dtype). One all-reduce of one float per axis and one
         device sync: every rank must take the same branch."""
+        return self._gradient_flag(grads, missing=False) == 2
+
+    def _gradient_flag(self, grads: list[torch.Tensor], missing: bool) -> int:
+        """max over all ranks of both axes of: 2 if the rank's `grads` hold a NaN/inf, else 1 if
+        `missing` (the rank lacks a gradient some param may have elsewhere), else 0. One all-reduce
+        of one float per axis and one device sync."""
         if grads:
             norms = torch.stack(torch._foreach_norm(grads)).float()
-            flag = (~torch.isfinite(norms)).any().float().reshape(1)
+            flag = torch.where((~torch.isfinite(norms)).any(), 2.0, float(missing)).reshape(1)
         else:
-            flag = torch.zeros(1, device=self._device())
+            flag = torch.full((1,), float(missing), device=self._device())
         self.replicate.all_reduce(flag, "max")
         self.shard.all_reduce(flag, "max")
-        return bool(flag.item())
+        return int(flag.item())
 
     def _device(self) -> torch.device:
         """Where this rank's small collectives live (its first param's device)."""
         return local(self.param_groups[0]["params"][0]).device
 
-    def _nonfinite_gradients(self) -> bool:
-        """True when the step must be skipped (nonfinite="skip"); raises for nonfinite="raise"."""
-        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not self.nonfinite_anywhere(grads):
-            return False
+    def _agreed_gradients(self) -> set | None:
+        """The params every rank steps now (those with a gradient on some rank), or None when the
+        step is skipped for a non-finite gradient (nonfinite="raise" raises instead)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads = [local(p.grad) for p in params if p.grad is not None]
+        flag = self._gradient_flag(grads, missing=len(grads) < len(params))
+        if flag == 2:
+            self._report_nonfinite()
+            return None
+        if flag == 0:
+            return set(params)
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=self._device())
+        self.replicate.all_reduce(has_grad, "max")
+        self.shard.all_reduce(has_grad, "max")
+        return {p for p, anywhere in zip(params, has_grad.tolist()) if anywhere}
+
+    def _report_nonfinite(self) -> None:
+        """Raise (nonfinite="raise") or count and log a skipped step, naming this rank's bad params."""
         local_bad = [self._param_label[p] for group in self.param_groups for p in group["params"]
                      if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
         where = f"this rank's params {', '.join(local_bad[:5])}" if local_bad else "another rank"
@@ -183,22 +220,27 @@ class ShardOptimizer(torch.optim.Optimizer):
         self.skipped_steps += 1
         logger.warning("shardopt: skipped a step with a non-finite gradient in %s (%d skipped so far)", where,
                        self.skipped_steps)
-        return True
 
-    def _bucket_steps(self):
-        """One step generator per bucket (matrix groups) or per group (element-wise), in param order."""
+    def _bucket_steps(self, stepping: set):
+        """One step generator per bucket (matrix groups) or per group (element-wise), in param order;
+        made lazily, so only the buckets in flight hold working copies."""
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if p in stepping]
             if not params:
                 continue
             if group["algorithm"] in MATRIX_ALGORITHMS:
-                for (layout, _, _), bucket in self._buckets(params).items():
+                for layout, bucket in self._buckets(params, group):
                     yield self._matrix_step(bucket, group, layout)
             else:
                 yield self._scalar_step(params, group)
 
-    def _buckets(self, params) -> dict:
-        return matrix_buckets(params)
+    def _buckets(self, params, group: dict):
+        """(layout, bucket) pairs: the params sharing (layout, dtype, device), in parameter order, cut
+        into buckets under `bucket_bytes` (shardopt/buckets.py)."""
+        split = MATRIX_SPLIT[group["algorithm"]]
+        for layout, _, bucket in capped_buckets(params, self.bucket_bytes,
+                                                lambda layout: split(layout, group, self.replicate.size)):
+            yield layout, bucket
 
     def _states(self, params, init) -> list[dict]:
         states = []
@@ -226,6 +268,23 @@ class ShardOptimizer(torch.optim.Optimizer):
     def _seed(self, param) -> int:
         return (self.seed * 1_000_003 + self._param_index[param]) % 2**63
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim's load, except that matrix-group state keeps the group's `state_dtype`
+        (torch.optim casts every floating state tensor to its param's dtype, which would round
+        fp32 momenta of bf16 params)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        groups = [group for group in self.param_groups for _ in group["params"]]
+        for saved_id, param, group in zip(saved_ids, params, groups):
+            if group["algorithm"] not in MATRIX_ALGORITHMS or not group.get("state_dtype") \
+                    or saved_id not in state_dict["state"]:
+                continue
+            for key, value in state_dict["state"][saved_id].items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    self.state[param][key] = value.to(device=self.state[param][key].device,
+                                                      dtype=state_dtype(group, param), copy=True)
+
     def _step_seed(self, first_param, first_state) -> int:
         """The seed of one bucket's coins at this step: equal on every rank, new every step."""
         return (self._seed(first_param) * 1_000_003 + int(first_state["step"])) % 2**63
@@ -236,12 +295,13 @@ class ShardOptimizer(torch.optim.Optimizer):
         replicas (default: this optimizer's replicate axis); see traffic.py. The step's non-finite
         check (`traffic.nonfinite_check_bytes`) comes on top, once per step."""
         replicas = self.replicate.size if replicas is None else replicas
-        return [traffic.group_bytes(group, replicas) for group in self.param_groups]
+        return [traffic.group_bytes(group, replicas, self.bucket_bytes) for group in self.param_groups]
 
     def describe(self, replicas: int | None = None) -> str:
         """One line per param group with its replicate-axis bytes per step, and the whole model
         against a float32 all-reduce of every parameter (traffic.describe)."""
-        return traffic.describe(self.param_groups, self.replicate.size if replicas is None else replicas)
+        return traffic.describe(self.param_groups, self.replicate.size if replicas is None else replicas,
+                                self.bucket_bytes)
 
     # ---- distributed helpers ------------------------------------------------------------------
     def comm_stats(self) -> dict:
@@ -276,8 +336,9 @@ class ShardOptimizer(torch.optim.Optimizer):
 
 
 def _gradients(params, group: dict) -> list[torch.Tensor]:
-    """The local gradients a step reads: g, or −g (new tensors) when the group maximizes."""
-    grads = [local(p.grad) for p in params]
+    """The local gradients a step reads: g, or −g (new tensors) when the group maximizes; zeros where
+    this rank has none (another rank has one, so this rank still joins the bucket's collectives)."""
+    grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
     return torch._foreach_neg(grads) if group["maximize"] else grads
 
 
@@ -299,17 +360,19 @@ class Dion(ShardOptimizer):
     (see `shardopt.param_groups`), which use lr, betas, epsilon and weight_decay ("lion" groups
     also `vote`, the wire format of their 1-bit vote). wire_dtype: torch.bfloat16 (default) or
     torch.float32, the precision of P and R on the replicate axis (rounded before the exchange).
-    `options`: seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize (see ShardOptimizer)."""
+    qr_method: "qr" (Householder, exact), "cholesky" or "rcqr" (randomized Cholesky-QR).
+    state_dtype: dtype of the momentum and Q ("float32", "bfloat16", …; None: the param's).
+    `options`: seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize, bucket_bytes (see ShardOptimizer)."""
 
     matrix_algorithm = "dion"
 
     def __init__(self, params, lr: float = 0.01, mu: float = 0.95, rank_fraction: float = 1.0,
                  rank_multiple_of: int = 1, weight_decay: float = 0.01, epsilon: float = 1e-8,
-                 qr_method: str = "qr", betas=(0.9, 0.95), wire_dtype=torch.bfloat16, vote: str = "auto", *,
-                 replicate_mesh=None, shard_mesh=None, **options):
+                 qr_method: str = "qr", betas=(0.9, 0.95), wire_dtype=torch.bfloat16, vote: str = "auto",
+                 state_dtype=None, *, replicate_mesh=None, shard_mesh=None, **options):
         defaults = dict(lr=lr, mu=mu, rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
                         weight_decay=weight_decay, epsilon=epsilon, qr_method=qr_method, betas=betas,
-                        wire_dtype=wire_dtype, vote=vote)
+                        wire_dtype=wire_dtype, vote=vote, state_dtype=state_dtype)
         super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, **options)
 
 
@@ -318,16 +381,20 @@ class SignMuon(ShardOptimizer):
     (also the format of "lion" groups' vote). wire_dtype: precision of the shard-axis all-to-all of
     orthogonalize="full": torch.float32 (default, the exact Muon direction) or torch.bfloat16 (half
     the shard-axis bytes; only the signs of the result are used).
-    `options`: seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize (see ShardOptimizer)."""
+    state_dtype: dtype of the momentum ("float32", "bfloat16", …; None: the param's).
+    compile: torch.compile the Newton–Schulz iterations (eager if compiling fails; off by default,
+        on the CPU it slowed all but small matrices: results/compile.csv).
+    `options`: seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize, bucket_bytes (see ShardOptimizer)."""
 
     matrix_algorithm = "signmuon"
 
     def __init__(self, params, lr: float, momentum: float = 0.9, nesterov: bool = False, ns_steps: int = 5,
                  post_polar: bool = False, lr_scale: str = "none", weight_decay: float = 0.0,
                  betas=(0.9, 0.95), epsilon: float = 1e-8, ns_dtype: str | None = None, vote: str = "auto",
-                 orthogonalize: str = "shard", wire_dtype=torch.float32, *, replicate_mesh=None, shard_mesh=None,
-                 **options):
+                 orthogonalize: str = "shard", wire_dtype=torch.float32, state_dtype=None, compile: bool = False,
+                 *, replicate_mesh=None, shard_mesh=None, **options):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, post_polar=post_polar,
                         lr_scale=lr_scale, weight_decay=weight_decay, betas=betas, epsilon=epsilon,
-                        ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize, wire_dtype=wire_dtype)
+                        ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize, wire_dtype=wire_dtype,
+                        state_dtype=state_dtype, compile=compile)
         super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, **options)

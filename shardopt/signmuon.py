@@ -17,36 +17,43 @@ shard-axis traffic); with "full" each shard rank orthogonalizes whole matrices
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+from .buckets import compute_dtype, stack_as
 from .comm import Axis
+from .hyperparams import state_dtype
 from .placement import MatrixLayout
 from .polar import polar
 from .vote import resolve_vote, vote_exchange
 
 
 def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
-    return {"momentum": torch.zeros_like(param)}
+    return {"momentum": torch.zeros_like(param, dtype=state_dtype(group, param))}
 
 
-def _ns_dtype(group: dict) -> torch.dtype | None:
-    """The group's Newton–Schulz dtype (None: bf16 on CUDA, fp32 elsewhere)."""
-    return getattr(torch, group["ns_dtype"]) if group["ns_dtype"] else None
+def _polar(group: dict):
+    """polar with the group's Newton–Schulz steps, dtype (None: bf16 on CUDA, fp32 elsewhere) and
+    `compile` option."""
+    dtype = getattr(torch, group["ns_dtype"]) if group["ns_dtype"] else None
+    return functools.partial(polar, steps=group["ns_steps"], dtype=dtype, compile=group["compile"])
 
 
-def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int, dtype, wire: torch.dtype):
+def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, orthogonalize, wire: torch.dtype):
     """polar of whole matrices whose rows are split over the shard axis, returned as this rank's rows
     (a generator of collectives).
 
     U_in: (k, m_i, n). Matrix j is owned by shard rank j mod F: an all-to-all sends every
-    row block to its owner, the owner orthogonalizes whole m×n matrices, and a second
-    all-to-all returns the row blocks. Both all-to-alls carry `wire` (bf16 halves the bytes; only
-    the signs of the result are used). Shard-axis bytes: 2·(1 − own share)·k·m·n elements.
+    row block to its owner, the owner orthogonalizes whole m×n matrices (`orthogonalize`, a
+    polar with the group's settings), and a second all-to-all returns the row blocks: each
+    rank does 1/F of the bucket's Newton–Schulz work. Both all-to-alls carry `wire` (bf16 halves
+    the bytes; only the signs of the result are used). Shard-axis bytes: 2·(1 − own share)·k·m·n
+    elements.
     """
     if not layout.sharded:
-        return polar(U_in, steps, dtype)
+        return orthogonalize(U_in)
     k, rows, n = U_in.shape
     owners = [list(range(owner, k, shard.size)) for owner in range(shard.size)]
     mine = owners[shard.rank]
@@ -56,7 +63,7 @@ def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int
                                       from_ranks, async_op=True)
     received = received.to(U_in.dtype)
     blocks = [piece.view(len(mine), rows_s, n) for piece, rows_s in zip(received.split(from_ranks), layout.shard_rows)]
-    U = polar(torch.cat(blocks, dim=1), steps, dtype)                               # (len(mine), m, n)
+    U = orthogonalize(torch.cat(blocks, dim=1))                                     # (len(mine), m, n)
     back = torch.cat([block.reshape(-1, n) for block in U.split(layout.shard_rows, dim=1)]).to(wire)
     returned = (yield shard.all_to_all(back, from_ranks, to_owner, async_op=True)).to(U.dtype)
     out = U.new_empty((k, rows, n))
@@ -65,53 +72,61 @@ def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int
     return out
 
 
+def work_split(layout: MatrixLayout, group: dict, replicas: int) -> int:
+    """How many ranks share a bucket's Newton–Schulz work: the shard ranks with orthogonalize="full"
+    (`full_polar`). The replicate axis never splits it: each replica orthogonalizes its own momentum."""
+    return len(layout.shard_rows) if group["orthogonalize"] == "full" and layout.sharded else 1
+
+
 def _direction(grads, states, group: dict, layout: MatrixLayout, shard: Axis):
-    """(U, M): the polar direction and the new momentum, stacked (k, m_i, n). With
-    orthogonalize="shard" polar runs on the local row block; with "full" on whole matrices
-    (a generator of collectives)."""
-    dtype = torch.promote_types(grads[0].dtype, torch.float32)
-    G = torch.stack(grads).to(dtype)
-    M = torch.stack([s["momentum"] for s in states]).to(dtype)
+    """The polar direction U (k, m_i, n) of the new momentum, which is written back to the state
+    first, so that only U's working copy outlives Newton–Schulz. With orthogonalize="shard" polar
+    runs on the local row block; with "full" on whole matrices (a generator of collectives)."""
+    dtype = compute_dtype(grads[0].dtype)
+    M = stack_as([s["momentum"] for s in states], dtype)
     beta = group["momentum"]
-    M.lerp_(G, 1 - beta)
-    U_in = G.lerp(M, beta) if group["nesterov"] else M
+    for momentum, grad in zip(M, grads):
+        momentum.lerp_(grad.to(dtype), 1 - beta)
+    for state, momentum in zip(states, M):
+        state["momentum"].copy_(momentum)
+    if group["nesterov"]:
+        for momentum, grad in zip(M, grads):          # U-input (1−β)·G + β·M, in M's memory
+            momentum.lerp_(grad.to(dtype), 1 - beta)
     if group["orthogonalize"] == "full":
-        return (yield from full_polar(U_in, layout, shard, group["ns_steps"], _ns_dtype(group),
-                                      getattr(torch, group["wire_dtype"]))), M
-    return polar(U_in, group["ns_steps"], _ns_dtype(group)), M
+        return (yield from full_polar(M, layout, shard, _polar(group), getattr(torch, group["wire_dtype"])))
+    return _polar(group)(M)
 
 
-def _apply(params, states, M, update, group: dict, scale: float) -> None:
+def _apply(params, update, group: dict, scale: float) -> None:
+    """X ← (1 − lr·wd)·X − lr·scale·update, matrix by matrix (update: (k, m_i, n), any dtype)."""
     lr = group["lr"]
-    for i, (param, state) in enumerate(zip(params, states)):
-        state["momentum"].copy_(M[i])
-        param.mul_(1 - lr * group["weight_decay"]).add_(update[i].to(param.dtype), alpha=-lr * scale)
+    for param, matrix in zip(params, update):
+        param.mul_(1 - lr * group["weight_decay"]).add_(matrix.to(param.dtype), alpha=-lr * scale)
 
 
 def voted_direction(grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
-    """(V, M): the voted ±1/0 direction (k, m_i, n) as int8, and the new momentum (a generator)."""
-    U, M = yield from _direction(grads, states, group, layout, shard)
+    """The voted ±1/0 direction (k, m_i, n) as int8 (a generator); the new momentum is in the states."""
+    U = yield from _direction(grads, states, group, layout, shard)
     positive = (U >= 0).reshape(-1)
+    shape = U.shape
+    del U
     fmt = resolve_vote(group["vote"], positive.numel(), replicate.size)
-    return (yield from vote_exchange(positive, replicate, fmt, seed)).view(U.shape), M
+    return (yield from vote_exchange(positive, replicate, fmt, seed)).view(shape)
 
 
 def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
     """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place).
     A generator that yields each collective (schedule.overlap runs it)."""
-    V, M = yield from voted_direction(grads, states, group, layout, replicate, shard, seed)
-    update = V.to(M.dtype)
-    if group["post_polar"]:
-        update = polar(update, group["ns_steps"], _ns_dtype(group))
+    V = yield from voted_direction(grads, states, group, layout, replicate, shard, seed)
+    update = _polar(group)(V.to(compute_dtype(params[0].dtype))) if group["post_polar"] else V
     m, n = layout.shape
     scale = 1.0 if group["lr_scale"] == "none" else 1 / math.sqrt(n)
-    _apply(params, states, M, update, group, scale)
+    _apply(params, update, group, scale)
 
 
 def muon_step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
     """One Muon step (baseline): full-precision gradient mean, then polar of the momentum (a generator)."""
-    G = torch.stack(grads).to(torch.promote_types(grads[0].dtype, torch.float32))
-    G = yield replicate.all_reduce(G, "mean", async_op=True)
-    U, M = yield from _direction(list(G), states, group, layout, shard)
+    G = yield replicate.all_reduce(stack_as(grads, compute_dtype(grads[0].dtype)), "mean", async_op=True)
+    U = yield from _direction(list(G), states, group, layout, shard)
     m, n = layout.shape
-    _apply(params, states, M, U, group, math.sqrt(max(1.0, m / n)))
+    _apply(params, U, group, math.sqrt(max(1.0, m / n)))

@@ -19,6 +19,11 @@ def positive_signs(U: torch.Tensor) -> torch.Tensor:
     return U >= 0
 
 
+def as_signs(positive: torch.Tensor, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """±1 in `dtype` from a bool tensor (True ↦ +1), with no wider temporary."""
+    return positive.to(dtype).mul_(2).sub_(1)
+
+
 def padded_length(n: int, multiple: int) -> int:
     """n rounded up to a multiple of `multiple`."""
     return -(-n // multiple) * multiple
@@ -32,8 +37,8 @@ def pack_signs(positive: torch.Tensor, pad_to: int = 8) -> torch.Tensor:
     n = positive.numel()
     bits = torch.zeros(padded_length(n, pad_to), dtype=torch.uint8, device=positive.device)
     bits[:n] = positive.reshape(-1)
-    weights = _bit_weights(positive.device)
-    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+    bits.view(-1, 8).mul_(_bit_weights(positive.device))
+    return bits.view(-1, 8).sum(dim=1, dtype=torch.uint8)   # distinct powers of two: no carry
 
 
 def unpack_signs(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
@@ -44,14 +49,29 @@ def unpack_signs(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
     return bits if n is None else bits[..., :n]
 
 
+def count_dtype(voters: int) -> torch.dtype:
+    """The narrowest integer dtype that holds a count of 0…voters."""
+    return torch.uint8 if voters <= 255 else torch.int16 if voters <= 32767 else torch.int32
+
+
+def count_positive(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Per entry, how many rows of `packed` (M, c) uint8 have its bit set: (n,) in count_dtype(M).
+    Unpacks one row at a time, so the working set is O(n) bytes, not O(M·n)."""
+    counts = torch.zeros(n, dtype=count_dtype(packed.shape[0]), device=packed.device)
+    for row in packed:
+        counts += unpack_signs(row, n)
+    return counts
+
+
 def majority(positive_counts: torch.Tensor, voters: int, tie_break: torch.Tensor | None) -> torch.Tensor:
-    """V = sign(Σ sᵢ) from the count c of +1 votes among `voters`: Σ sᵢ = 2c − voters.
+    """V = sign(Σ sᵢ) from the count c of +1 votes among `voters`: Σ sᵢ = 2c − voters, so
+    V = +1 where c > ⌊voters/2⌋, −1 where c < ⌈voters/2⌉ (comparisons only, no wider integers).
 
     Ties (2c = voters) give 0 when tie_break is None, else tie_break (a ±1 tensor
     the shape of positive_counts). Returns int8 in {−1, 0, +1}.
     """
-    total = 2 * positive_counts.to(torch.int32) - voters
-    V = torch.sign(total).to(torch.int8)
+    half = voters // 2
+    V = (positive_counts > half).to(torch.int8).sub_((positive_counts < voters - half).to(torch.int8))
     if tie_break is not None:
-        V = torch.where(total == 0, tie_break.to(torch.int8), V)
+        V = torch.where(V == 0, tie_break.to(torch.int8), V)
     return V

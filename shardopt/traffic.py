@@ -5,15 +5,18 @@ element-wise group (M replicas, F shard ranks; `collective_bytes` is the ring fo
 
 | algorithm | exchange | bytes |
 |---|---|---|
-| "dion", compressed | P (k, a/F, r), R (k, b_i, r) averaged in `wire_dtype` | AR(k·⌈a/F⌉·r·w) + AR(k·b_i·r·w) |
+| "dion", compressed | P (k, a/F, r), R (k, b_i, r) averaged in `wire_dtype` | AR(k·⌈a/F⌉·r·w) + AR(k·b_i·r·w) ¹ |
 | "dion", fallback / "muon" | gradient mean in the compute dtype (≥ fp32) | AR(k·m_i·n·4) |
 | "signmuon" | 1-bit (or int8) vote on k·m_i·n signs | vote_bytes(format, k·m_i·n, M) |
 | "adamw" | gradient mean, one flat buffer per dtype | AR(n·itemsize) |
 | "lion" | vote on the n signs, one flat vote per dtype | vote_bytes(format, n, M) |
 
 plus, once per step, the non-finite check: AR(4). AR(x) = 2·x·(M−1)/M. `group_bytes` applies
-these to a param group's buckets as the optimizer forms them, so a measured `comm_stats()` equals
-them exactly (every param with a gradient).
+these to a param group's buckets as the optimizer forms them (buckets.capped_buckets, under
+`bucket_bytes`), so a measured `comm_stats()` equals them exactly (every param with a gradient).
+¹ The k_s = k − k mod (F·M) matrices whose orthonormalization is split over the ranks send P as
+a reduce-scatter plus an all-gather of whole matrices, AR(k_s/F·a·r·w): the same bytes when F
+divides a (no padding), fewer otherwise.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from __future__ import annotations
 import torch
 
 from .comm import collective_bytes
-from .dion import compressed, oriented_shape, rank_of
+from .dion import compressed, oriented_shape, rank_of, work_split
 from .hyperparams import MATRIX_ALGORITHMS
-from .placement import MatrixLayout, local, matrix_buckets
+from .signmuon import work_split as signmuon_work_split
+from .buckets import DEFAULT_BUCKET_BYTES, capped_buckets
+from .placement import MatrixLayout, local
 from .signs import padded_length
 from .vote import resolve_vote, vote_bytes
 
@@ -47,7 +52,9 @@ def matrix_bucket_bytes(group: dict, layout: MatrixLayout, count: int, dtype: to
         shard_size = len(layout.shard_rows)
         a_piece = padded_length(a, shard_size) // shard_size
         wire = _itemsize(getattr(torch, group["wire_dtype"]))
-        return (collective_bytes("all_reduce", count * a_piece * r * wire, replicas)
+        split = count - count % (shard_size * replicas)   # matrices whose orthonormalization is split:
+        return (collective_bytes("all_reduce", split // shard_size * a * r * wire, replicas)   # RS + AG
+                + collective_bytes("all_reduce", (count - split) * a_piece * r * wire, replicas)
                 + collective_bytes("all_reduce", count * b_local * r * wire, replicas))
     return collective_bytes("all_reduce", local_entries * compute_itemsize, replicas)   # dion fallback, muon
 
@@ -73,12 +80,14 @@ def allreduce_bytes(numel: int, dtype: torch.dtype, replicas: int) -> int:
     return collective_bytes("all_reduce", numel * _itemsize(dtype), replicas)
 
 
-def group_bytes(group: dict, replicas: int) -> int:
+def group_bytes(group: dict, replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
     """Replicate-axis bytes one rank sends per step for a param group (with every key of DEFAULTS)."""
     params = group["params"]
     if group["algorithm"] in MATRIX_ALGORITHMS:
+        split = work_split if group["algorithm"] == "dion" else signmuon_work_split
         return sum(matrix_bucket_bytes(group, layout, len(bucket), dtype, replicas)
-                   for (layout, dtype, _), bucket in matrix_buckets(params).items())
+                   for layout, dtype, bucket in capped_buckets(params, bucket_bytes,
+                                                               lambda layout: split(layout, group, replicas)))
     numel: dict = {}
     for param in params:
         numel[param.dtype] = numel.get(param.dtype, 0) + local(param).numel()
@@ -90,12 +99,12 @@ EXCHANGE = {"dion": lambda g: f"rank_fraction {g['rank_fraction']:g}, {g['wire_d
             "adamw": lambda g: "full-precision gradient mean", "muon": lambda g: "full-precision gradient mean"}
 
 
-def describe(groups: list[dict], replicas: int) -> str:
+def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
     """One line per group (algorithm, tensors, elements, replicate-axis bytes per step on this rank),
     then the whole model (non-finite check included) against a float32 all-reduce of every parameter."""
     lines, total, numel_total = [], nonfinite_check_bytes(replicas), 0
     for group in groups:
-        sent = group_bytes(group, replicas)
+        sent = group_bytes(group, replicas, bucket_bytes)
         numel = sum(local(p).numel() for p in group["params"])
         total, numel_total = total + sent, numel_total + numel
         lines.append(f"shardopt: {group['algorithm']:>8}: {len(group['params'])} tensors, {numel:,} elements, "

@@ -27,7 +27,7 @@ import torch
 
 from .comm import Axis, collective_bytes
 from .schedule import complete
-from .signs import majority, pack_signs, padded_length, unpack_signs
+from .signs import as_signs, count_positive, majority, pack_signs, padded_length, unpack_signs
 
 VOTE_FORMATS = ("allreduce_int8", "allgather_1bit", "alltoall_1bit")
 VOTES = VOTE_FORMATS + ("auto",)
@@ -67,8 +67,22 @@ def resolve_vote(vote: str, n: int, voters: int) -> str:
 def coin(n: int, seed: int, device: torch.device) -> torch.Tensor:
     """n fair ±1 coins (int8) from `seed`; identical on every replica that passes the same seed."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    bits = torch.randint(0, 2, (n,), generator=generator, device=device, dtype=torch.int8)
-    return 2 * bits - 1
+    return torch.randint(0, 2, (n,), generator=generator, device=device, dtype=torch.int8).mul_(2).sub_(1)
+
+
+def tie_coins(n: int, seed: int, voters: int, owner: int | None, device: torch.device) -> torch.Tensor:
+    """±1 coins (int8) that break ties among an even number of `voters` on n entries.
+
+    The entries are cut into `voters` chunks of c = padded_length(n, 8·voters)/voters (the chunks
+    "alltoall_1bit" owners count); chunk o's coins come from a generator seeded (seed·1_000_003 + o)
+    mod 2⁶³, so an owner draws only its own c coins. owner=None: every entry's coin (n,), the chunks
+    in order ("allgather_1bit", where every replica counts everything). Identical on every replica
+    that passes the same seed, so both formats break a tie alike.
+    """
+    chunk = padded_length(n, 8 * voters) // voters
+    if owner is not None:
+        return coin(chunk, (seed * 1_000_003 + owner) % 2**63, device)
+    return torch.cat([coin(chunk, (seed * 1_000_003 + o) % 2**63, device) for o in range(voters)])[:n]
 
 
 def abstain_seed(seed: int) -> int:
@@ -87,11 +101,14 @@ def vote(positive: torch.Tensor, axis: Axis, fmt: str, seed: int, abstain: torch
 
 
 def vote_exchange(positive: torch.Tensor, axis: Axis, fmt: str, seed: int, abstain: torch.Tensor | None = None):
-    """`vote` as a generator of collectives, for schedule.overlap."""
+    """`vote` as a generator of collectives, for schedule.overlap.
+
+    Working memory per entry: a few bytes (bool/int8/uint8 counts), never int64 and never an
+    (M × n) unpacked tensor: gathered bits are counted one replica's row at a time."""
     n = positive.numel()
     voters = axis.size
     if voters == 1 or fmt == "allreduce_int8":
-        signs = torch.where(positive, 1, -1).to(torch.int8 if voters == 1 else _int_wire_dtype(voters))
+        signs = as_signs(positive, torch.int8 if voters == 1 else _int_wire_dtype(voters))
         if abstain is not None:
             signs.masked_fill_(abstain, 0)
         if voters == 1:
@@ -100,20 +117,17 @@ def vote_exchange(positive: torch.Tensor, axis: Axis, fmt: str, seed: int, absta
         return torch.sign(total).to(torch.int8)
     if abstain is not None:   # its own coin: reusing the tie coin would let an abstainer decide every tie
         positive = torch.where(abstain, coin(n, abstain_seed(seed), positive.device) > 0, positive)
-    tie_break = coin(n, seed, positive.device) if voters % 2 == 0 else None
+    even = voters % 2 == 0
     if fmt == "allgather_1bit":
         gathered = yield axis.all_gather(pack_signs(positive), async_op=True)   # (M, ceil(n/8))
-        counts = unpack_signs(gathered, n).sum(dim=0)
-        return majority(counts, voters, tie_break)
+        tie_break = tie_coins(n, seed, voters, None, positive.device) if even else None
+        return majority(count_positive(gathered, n), voters, tie_break)
     if fmt == "alltoall_1bit":
         packed = pack_signs(positive, pad_to=8 * voters)              # (M·c,) c bytes per owner
         chunk = packed.numel() // voters
         received = (yield axis.all_to_all(packed, async_op=True)).view(voters, chunk)   # my chunk from everyone
-        owned = slice(axis.rank * chunk * 8, (axis.rank + 1) * chunk * 8)
-        counts = unpack_signs(received).sum(dim=0)
-        if tie_break is not None:
-            tie_break = torch.nn.functional.pad(tie_break, (0, packed.numel() * 8 - n))[owned]
-        owned_vote = majority(counts, voters, tie_break) > 0
+        tie_break = tie_coins(n, seed, voters, axis.rank, positive.device) if even else None
+        owned_vote = majority(count_positive(received, 8 * chunk), voters, tie_break) > 0
         result = (yield axis.all_gather(pack_signs(owned_vote), async_op=True)).reshape(-1)   # (M·c,)
-        return torch.where(unpack_signs(result, n), 1, -1).to(torch.int8)
+        return as_signs(unpack_signs(result, n))
     raise ValueError(f"vote format must be one of {VOTE_FORMATS}, got {fmt!r}")

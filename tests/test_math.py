@@ -117,7 +117,7 @@ def test_majority_single_voter_returns_own_sign():
 
 # ---- orthonormalize, column_normalize, dion_rank -------------------------------------------------
 
-@pytest.mark.parametrize("method", ["qr", "cholesky"])
+@pytest.mark.parametrize("method", ["qr", "cholesky", "rcqr"])
 @pytest.mark.parametrize("shape", [(40, 5), (40, 40), (3, 17, 6)])
 def test_orthonormalize_gives_orthonormal_basis_of_same_span(method, shape):
     P = gaussian(*shape, seed=11)
@@ -128,7 +128,7 @@ def test_orthonormalize_gives_orthonormal_basis_of_same_span(method, shape):
     assert torch.allclose(Q @ (Q.mT @ P), P, atol=1e-10)          # P lies in span(Q)
 
 
-@pytest.mark.parametrize("method", ["qr", "cholesky"])
+@pytest.mark.parametrize("method", ["qr", "cholesky", "rcqr"])
 def test_orthonormalize_zero_matrix_stays_zero_in_batch(method):
     P = gaussian(3, 12, 4, seed=2)
     P[1] = 0

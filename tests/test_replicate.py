@@ -8,7 +8,7 @@ Pinned here:
   makes each the mean.
 - Sign-Muon's vote equals sign(Σ sign(polar(Mᵢ))) computed from every replica's
   direction, exactly, with each format's tie rule (abstain for "allreduce_int8", the
-  shared coin `shardopt.vote.coin(n, bucket_seed)` for the 1-bit formats).
+  shared coins `shardopt.vote.tie_coins(n, bucket_seed, M, None)` for the 1-bit formats).
 - Parameters stay bit-identical on all replicas in every mode.
 - comm_stats() equals docs/design.md's byte formulas; the 768×3072 ratios against an fp32 ring all-reduce.
 - Bad replicate meshes and vote names raise ValueError.
@@ -25,7 +25,7 @@ import torch.distributed.tensor  # noqa: F401  same: DeviceMesh/DTensor machiner
 import reference
 import shardopt
 from shardopt.comm import Axis, collective_bytes
-from shardopt.vote import coin, resolve_vote, vote, vote_bytes
+from shardopt.vote import resolve_vote, tie_coins, vote, vote_bytes
 from workers import WorkerPool
 
 WORLD_SIZES = [2, 3, 4]
@@ -165,7 +165,7 @@ def _signmuon_run(vote_name, steps=20):
             formats.add(fmt)
             tie = total == 0
             if fmt != "allreduce_int8" and world % 2 == 0:
-                coins = coin(positive.numel(), _bucket_seed(bucket[0], step + 1), positive.device)
+                coins = tie_coins(positive.numel(), _bucket_seed(bucket[0], step + 1), world, None, positive.device)
                 expected = torch.where(tie, coins.to(expected.dtype), expected)
                 tie_plus += int((tie & (coins > 0)).sum())
                 tie_minus += int((tie & (coins < 0)).sum())
@@ -325,7 +325,10 @@ def test_dion_compressed_matches_single_process_float64_on_mean_gradient(pools, 
         assert stats["replicate"]["bytes_sent"] == 10 * (_dion_design_bytes(world_size, 0.25, wire_bytes)
                                                          + _check_bytes(world_size))
         assert stats["replicate"]["bytes_received"] == stats["replicate"]["bytes_sent"]
-        assert stats["replicate"]["calls"] == 10 * (2 * 2 + 1)    # P and R per bucket, two buckets; the check
+        # calls per step: the pair's P is split over the replicas (reduce-scatter + all-gather) when
+        # 2 is a multiple of M, else all-reduced; the single matrix's P all-reduced; R per bucket; the check
+        pair_p_calls = 2 if 2 % world_size == 0 else 1
+        assert stats["replicate"]["calls"] == 10 * (pair_p_calls + 1 + 2 + 1)
         assert stats["shard"]["bytes_sent"] == 0
 
 
@@ -387,7 +390,8 @@ def test_vote_function_tie_rule_and_padded_bytes(pools, world_size, fmt):
         total = signs.sum(dim=0)
         expected = torch.sign(total)
         if fmt != "allreduce_int8" and world_size % 2 == 0:
-            expected = torch.where(total == 0, coin(n, seed, torch.device("cpu")).to(expected.dtype), expected)
+            expected = torch.where(total == 0, tie_coins(n, seed, world_size, None, torch.device("cpu")).to(expected.dtype),
+                                   expected)
         if world_size % 2 == 0:
             assert (total == 0).any()
         for result in results:

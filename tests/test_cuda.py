@@ -1,0 +1,69 @@
+"""Single-process checks on a CUDA device (launch/gpu_check.py runs them; skipped without CUDA).
+
+Pinned here, on the GPU: Newton–Schulz in bf16 (the CUDA default) close to the float64
+reference; Dion (Householder and randomized Cholesky-QR) against the float64 reference;
+Sign-Muon moves every entry by exactly lr; fp32 state for bf16 params; compiled Newton–Schulz
+equal to eager; every state tensor stays on the parameter's device.
+"""
+
+import pytest
+import torch
+
+import reference
+import shardopt
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device (torch.cuda.is_available() is False)")
+CUDA = torch.device("cuda")
+
+
+def test_polar_bf16_default_on_cuda_close_to_float64_reference():
+    G = torch.randn(4, 256, 512, generator=torch.Generator().manual_seed(0))
+    U = shardopt.polar(G.to(CUDA), 5)
+    assert U.dtype == torch.bfloat16 and U.device.type == "cuda"
+    want = torch.stack([reference.newton_schulz(g) for g in G])
+    assert ((U.double().cpu() - want).norm() / want.norm()).item() <= 5e-2   # bf16: ~2.5e-2 measured on CPU
+
+
+@pytest.mark.parametrize("qr_method", ["qr", "rcqr"])
+def test_dion_on_cuda_matches_float64_reference(qr_method):
+    hyper = dict(lr=0.02, mu=0.9, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(96, 64), (64, 96), (96, 64)]
+    initial = [torch.randn(*s, generator=generator, dtype=torch.float64) for s in shapes]
+    params = [torch.nn.Parameter(x.float().to(CUDA)) for x in initial]
+    opt = shardopt.Dion(params, rank_fraction=0.25, qr_method=qr_method, seed=2, **hyper)
+    loops = []
+    for index, X in enumerate(initial):
+        r = shardopt.lowrank.dion_rank(*X.shape, 0.25, 1)
+        loops.append([X, torch.zeros_like(X), reference.initial_q(min(X.shape), r,
+                                                                   reference.optimizer_param_seed(2, index))])
+    for _ in range(5):
+        for index, param in enumerate(params):
+            G = torch.randn(param.shape, generator=generator, dtype=torch.float64)
+            param.grad = G.float().to(CUDA)
+            X, M, Q = loops[index]
+            loops[index] = list(reference.dion_step(X, G.float().double(), M, Q, transpose=X.shape[0] < X.shape[1],
+                                                    **hyper))
+        opt.step()
+    for param, loop in zip(params, loops):
+        assert ((param.double().cpu() - loop[0]).norm() / loop[0].norm()).item() <= 1e-5
+        assert all(value.device.type == "cuda" for key, value in opt.state[param].items() if key != "step")
+
+
+def test_signmuon_on_cuda_moves_every_entry_by_lr_with_fp32_state_for_bf16_params():
+    params = [torch.nn.Parameter(torch.zeros(128, 256, device=CUDA, dtype=torch.bfloat16))]
+    opt = shardopt.SignMuon(params, lr=0.5, state_dtype="float32")
+    params[0].grad = torch.randn(128, 256, device=CUDA).bfloat16()
+    opt.step()
+    assert params[0].abs().eq(0.5).all()
+    momentum = opt.state[params[0]]["momentum"]
+    assert momentum.dtype == torch.float32 and momentum.device.type == "cuda"
+
+
+def test_compiled_newton_schulz_on_cuda_equals_eager():
+    G = torch.randn(4, 256, 512, device=CUDA)
+    eager = shardopt.polar(G, 5)
+    compiled = shardopt.polar(G, 5, compile=True)
+    assert "failed" not in __import__("sys").modules["shardopt.polar"]._compiled
+    assert ((compiled.float() - eager.float()).norm() / eager.float().norm()).item() <= 5e-2
