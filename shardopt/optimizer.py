@@ -163,13 +163,6 @@ class ShardOptimizer(torch.optim.Optimizer):
         grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
         return clip_grad_norm_(grads, max_norm, self.replicate, self.shard, self._device())
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch.optim's load_state_dict, after checking that every group's algorithm, every param's
-        state keys, tensor shapes and dtypes fit this optimizer (ValueError naming the tensor; nothing
-        is loaded then)."""
-        check_state_dict(state_dict, self.param_groups, self._param_label, STATE_KEYS)
-        super().load_state_dict(state_dict)
-
     def nonfinite_anywhere(self, grads: list[torch.Tensor]) -> bool:
         """True, on every rank alike, when any rank of either axis has a NaN/inf in its local `grads`
         (or a gradient norm that overflows its dtype). One all-reduce of one float per axis and one
@@ -269,9 +262,11 @@ class ShardOptimizer(torch.optim.Optimizer):
         return (self.seed * 1_000_003 + self._param_index[param]) % 2**63
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch.optim's load, except that matrix-group state keeps the group's `state_dtype`
-        (torch.optim casts every floating state tensor to its param's dtype, which would round
-        fp32 momenta of bf16 params)."""
+        """torch.optim's load_state_dict, after checking that every group's algorithm, every param's
+        state keys, tensor shapes and dtypes fit this optimizer (ValueError naming the tensor; nothing
+        is loaded then); matrix-group state keeps the group's `state_dtype` (torch.optim casts every
+        floating state tensor to its param's dtype, which would round fp32 momenta of bf16 params)."""
+        check_state_dict(state_dict, self.param_groups, self._param_label, STATE_KEYS)
         super().load_state_dict(state_dict)
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
@@ -301,7 +296,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         """One line per param group with its replicate-axis bytes per step, and the whole model
         against a float32 all-reduce of every parameter (traffic.describe)."""
         return traffic.describe(self.param_groups, self.replicate.size if replicas is None else replicas,
-                                self.bucket_bytes)
+                                self.bucket_bytes, clipping=self.max_norm > 0)
 
     # ---- distributed helpers ------------------------------------------------------------------
     def comm_stats(self) -> dict:

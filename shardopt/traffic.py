@@ -99,10 +99,12 @@ EXCHANGE = {"dion": lambda g: f"rank_fraction {g['rank_fraction']:g}, {g['wire_d
             "adamw": lambda g: "full-precision gradient mean", "muon": lambda g: "full-precision gradient mean"}
 
 
-def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
+def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clipping: bool = False) -> str:
     """One line per group (algorithm, tensors, elements, replicate-axis bytes per step on this rank),
-    then the whole model (non-finite check included) against a float32 all-reduce of every parameter."""
-    lines, total, numel_total = [], nonfinite_check_bytes(replicas), 0
+    then the whole model (the non-finite check and, with `clipping`, the agreed clip norm — one float
+    all-reduced each — included) against a float32 all-reduce of every parameter."""
+    lines, numel_total = [], 0
+    total = nonfinite_check_bytes(replicas) * (2 if clipping else 1)
     for group in groups:
         sent = group_bytes(group, replicas, bucket_bytes)
         numel = sum(local(p).numel() for p in group["params"])

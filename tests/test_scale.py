@@ -1,4 +1,4 @@
-"""Scaling the step (DESIGN §9): bucket cap, split orthonormalization work, state dtype,
+"""Scaling the step (docs/design.md §9): bucket cap, split orthonormalization work, state dtype,
 randomized Cholesky-QR, and params agreed when some ranks lack a gradient.
 
 Pinned here:
@@ -8,7 +8,7 @@ Pinned here:
 - The bucket cap changes the memory, not the result.
 - Dion's orthonormalization is split over the ranks: at 4 replicas each rank orthonormalizes
   1/4 of the matrices (counted FLOPs ≤ 0.35× one replica's), with the replicate-axis bytes of
-  DESIGN's formula, and the weights of a single-process float64 Dion fed the mean gradient;
+  docs/design.md's formula, and the weights of a single-process float64 Dion fed the mean gradient;
   on the shard axis (FSDP2, HSDP) likewise, against tests/reference.py.
 - state_dtype: fp32 momentum for bf16 params (and back through state_dict); bad values raise.
 - qr_method="rcqr" is orthonormal on ill-conditioned inputs and Dion with it follows the float64
@@ -222,7 +222,7 @@ def test_dion_orthonormalization_split_over_4_replicas_same_bytes(pool4, wire_dt
         assert result["flops"] <= 0.35 * alone["flops"], (result["flops"], alone["flops"])
         assert result["matrices"] == SPLIT_COUNT * SPLIT_STEPS // 4
         assert result["error"] <= tolerance
-        # DESIGN §1: 2(M−1)/M·(a + b)·r·wire bytes per matrix per step, plus the one-float check
+        # docs/design.md §1: 2(M−1)/M·(a + b)·r·wire bytes per matrix per step, plus the one-float check
         design = SPLIT_COUNT * collective_bytes("all_reduce", (m + n) * r * wire, 4) + collective_bytes("all_reduce", 4, 4)
         assert result["bytes"] == SPLIT_STEPS * design
         assert torch.equal(result["params"], split[0]["params"]) and result["consistent"]

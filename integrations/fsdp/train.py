@@ -75,7 +75,7 @@ parser.add_argument("--lr", type=float, default=None, help=f"lr of the 2-D weigh
 parser.add_argument("--scalar-algorithm", choices=("adamw", "lion"), default="adamw", help="embeddings, norms and "
                     "head: AdamW (full-precision gradient mean) or Lion (1-bit majority vote over the replicas)")
 parser.add_argument("--scalar-lr", type=float, default=None, help="lr of embeddings, norms and head; default "
-                    "3e-3 (adamw), 3e-4 (lion)")
+                    "3e-3 (adamw), 1e-2 (lion)")
 parser.add_argument("--scalar-betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("BETA1", "BETA2"),
                     help="betas of the non-matrix group (AdamW's, or Lion's interpolation and momentum)")
 parser.add_argument("--wire-dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -120,7 +120,7 @@ parser.add_argument("--check-replicas-every", type=int, default=100, help="every
                     "replicas' weights are bitwise equal and stop with an error if not (0: never)")
 args = parser.parse_args()
 args.lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
-args.scalar_lr = args.scalar_lr or {"adamw": 3e-3, "lion": 3e-4}[args.scalar_algorithm]
+args.scalar_lr = args.scalar_lr or {"adamw": 3e-3, "lion": 1e-2}[args.scalar_algorithm]   # lion: results/scalar_quality.csv
 args.data_dir = args.data_dir or data.data_dir(data.default_cache(), args.tokenizer)
 args.out_dir = args.out_dir or Path("runs") / args.optimizer
 if args.grad_accum < 1 or args.clip < 0:
