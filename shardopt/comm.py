@@ -73,6 +73,26 @@ def _resolve_group(mesh, name: str):
     return group, dist.get_world_size(group), rank
 
 
+def split_world(replicate: int, shard: int) -> tuple:
+    """Process groups of a (replicate, shard) mesh over the world, rank = replica·shard + shard index
+    (consecutive ranks share a node): (this rank's replicate group, this rank's shard group).
+    Every rank must call it (dist.new_group is collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if replicate * shard != world:
+        raise ValueError(f"mesh replicate={replicate} × shard={shard} = {replicate * shard} ranks, but the world has "
+                         f"{world}; choose R·S = {world}")
+    mine = {}
+    for index in range(shard):
+        group = dist.new_group([index + shard * r for r in range(replicate)])
+        if index == rank % shard:
+            mine["replicate"] = group
+    for index in range(replicate):
+        group = dist.new_group(list(range(index * shard, (index + 1) * shard)))
+        if index == rank // shard:
+            mine["shard"] = group
+    return mine["replicate"], mine["shard"]
+
+
 class Pending:
     """A collective in flight: `wait()` blocks until it is done and returns its result."""
 

@@ -125,9 +125,13 @@ class ShardOptimizer(torch.optim.Optimizer):
             flag = (~torch.isfinite(norms)).any().float().reshape(1)
         else:
             flag = torch.zeros(1, device=local(self.param_groups[0]["params"][0]).device)
-        self.replicate.all_reduce(flag, "max")
-        self.shard.all_reduce(flag, "max")
+        for axis in self.agreement_axes():
+            axis.all_reduce(flag, "max")
         return bool(flag.item())
+
+    def agreement_axes(self) -> tuple[Axis, ...]:
+        """The axes over which every rank must take the same branch of a step."""
+        return (self.replicate, self.shard)
 
     def _nonfinite_gradients(self) -> bool:
         """True when the step must be skipped (nonfinite="skip"); raises for nonfinite="raise"."""
