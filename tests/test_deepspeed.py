@@ -16,7 +16,9 @@ Two gloo ranks (one worker pool for the module), CPU accelerator. Pinned here:
 """
 
 import copy
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -382,6 +384,34 @@ def test_scheduler_error_param_groups_and_other_optimizers_pass_through(pool):
         assert optimizer == "AdamW" and backward_allreduce is True
 
 
+def _client_optimizer_path():
+    """The way for code that calls deepspeed.initialize itself: engine_config + client_optimizer + attach."""
+    _env()
+    config = _config("SignMuon", precision="bf16", gradient_clipping=0.05)
+    reference, *_ = sds.initialize(model=_model(), config=config)
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=sds.client_optimizer(model, config),
+                                      config=sds.engine_config(config))
+    engine.backward(_loss(engine, *_batch(0)))
+    try:
+        engine.step()
+        unwired = None
+    except RuntimeError as error:
+        unwired = str(error)
+    engine.zero_grad()
+    ours = sds.attach(engine)
+    _train(reference, 5)
+    _train(engine, 5)
+    return (unwired, _max_diff(_weights(reference.module), _weights(engine.module)), engine.enable_backward_allreduce,
+            ours.comm_stats()["replicate"]["bytes_sent"], sds.shard_optimizer(reference).comm_stats()["replicate"]["bytes_sent"])
+
+
+def test_client_optimizer_and_attach_equal_initialize_and_an_unwired_step_raises(pool):
+    for unwired, diff, backward_allreduce, sent, reference_sent in pool.run(_client_optimizer_path, timeout_s=TIMEOUT_S):
+        assert "call shardopt.deepspeed.attach(engine)" in unwired
+        assert diff == 0 and backward_allreduce is False and sent == reference_sent
+
+
 def test_missing_deepspeed_gives_an_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(ImportError, match=r"pip install 'shardopt\[deepspeed\]'"):
@@ -402,3 +432,26 @@ def test_train_script_runs_under_torchrun(config, tmp_path):
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step     5" in result.stdout, result.stdout[-3000:]
+
+
+def test_tiny_gpt2_trains_through_accelerate_deepspeed_plugin_with_compressed_bytes(tmp_path):
+    """HF Accelerate calls deepspeed.initialize itself: integrations/deepspeed/train_accelerate.py (engine_config,
+    client_optimizer, attach) on 2 processes; a GPT-2 built from GPT2Config (no download)."""
+    missing = [name for name in ("transformers", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (pip install 'shardopt[hf]')")
+    text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(500))
+    (tmp_path / "train.bin").write_bytes(text)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "integrations" / "deepspeed" / "train_accelerate.py"), "--data-dir", str(tmp_path),
+               "--block-size", "16", "--steps", "6",
+               "--deepspeed_config", str(ROOT / "integrations" / "deepspeed" / "signmuon_bf16.json")]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = re.search(r"DeepSpeedSignMuon through Accelerate on 2 ranks: ([\d,]+) B sent on the replicate axis, "
+                        r"([\d.]+) of an fp32 all-reduce; replicas identical: True", result.stdout)
+    assert summary, result.stdout[-3000:]
+    assert int(summary.group(1).replace(",", "")) > 0 and float(summary.group(2)) < 0.3
+    losses = [float(x) for x in re.findall(r"loss ([\d.]+)", result.stdout)]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses

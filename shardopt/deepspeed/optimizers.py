@@ -49,6 +49,9 @@ class _EngineSide:
         if self._inert:
             # DeepSpeed's fp16/bf16 wrapper "initializes optimizer state" with a step on zero
             # gradients while the engine is being built; shardopt creates its state lazily.
+            if any(bool(p.grad.any()) for p in self._slots() if p.grad is not None):
+                raise RuntimeError("the shardopt optimizer is not wired to its DeepSpeed engine: after "
+                                   "deepspeed.initialize / accelerator.prepare, call shardopt.deepspeed.attach(engine)")
             return None
         params = self._slots()
         if self.zero is not None:
