@@ -38,8 +38,11 @@ class _EngineSide:
         self._wrapper = None        # DeepSpeed's fp16/bf16 wrapper, when there is one
         super().__init__(params, *args, **kwargs)
         self.node = Axis("shard", node_mesh)
-        self.zero = ZeroPartition([p.shape for p in self._slots()], self.node, zero_stage) if node_mesh is not None \
-            else None
+        # state tensors per element: AdamW keeps two moments, the others one (Dion's Q is small beside M)
+        costs = [p.numel() * (2 if group["algorithm"] == "adamw" else 1) for group in self.param_groups
+                 for p in group["params"]]
+        self.zero = ZeroPartition([p.shape for p in self._slots()], self.node, zero_stage, costs) \
+            if node_mesh is not None else None
 
     def _slots(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]

@@ -2,7 +2,7 @@
 
 The data-parallel ranks form a (replicate R, shard S) mesh; by default one replica per node
 (S = LOCAL_WORLD_SIZE). Each parameter is owned, whole, by one rank of its node (the shard axis):
-`placement.assign_owners` balances the elements per owner. Whole tensors, not row blocks, so that
+`placement.assign_owners` balances the optimizer state per owner (elements × state tensors per element). Whole tensors, not row blocks, so that
 the owner runs exactly the stage-0 math (Newton–Schulz and the power iteration need whole matrices;
 row blocks would change Sign-Muon's direction or add a shard-axis exchange per step), as
 microsoft/dion gives each rank whole matrices to orthogonalize. One optimizer step:
@@ -52,10 +52,12 @@ class ZeroPartition:
     """Which rank of the node owns each parameter (slot = position in the optimizer's param order),
     and the two shard-axis collectives of a step. stage 0: every rank owns every slot."""
 
-    def __init__(self, shapes: list[torch.Size], shard: Axis, stage: int):
+    def __init__(self, shapes: list[torch.Size], shard: Axis, stage: int, costs: list[int] | None = None):
+        """costs: what each slot's optimizer state weighs (default: its element count), balanced over owners."""
         self.shard, self.stage = shard, stage
         self.sizes = [int(torch.Size(shape).numel()) for shape in shapes]
-        self.owners = assign_owners(self.sizes, shard.size) if stage >= 1 else [shard.rank] * len(shapes)
+        self.costs = costs or self.sizes
+        self.owners = assign_owners(self.costs, shard.size) if stage >= 1 else [shard.rank] * len(shapes)
         by_owner = [[i for i, owner in enumerate(self.owners) if owner == k] for k in range(shard.size)]
         self.chunk = max(sum(self.sizes[i] for i in slots) for slots in by_owner) if stage >= 1 else sum(self.sizes)
         self.order = [i for slots in by_owner for i in slots] if stage >= 1 else list(range(len(shapes)))
