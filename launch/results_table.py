@@ -44,26 +44,30 @@ def training_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def comm_table(rows: list[dict]) -> str:
-    """bench_comm.py's rows as one line per exchange, one column per replica count: the formula's
-    ratio to the fp32 all-reduce, and ✓ where a real run at that size counted the same bytes."""
-    replicas = sorted({int(r["replicas"]) for r in rows})
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    lines = ["| replicate-axis bytes vs fp32 all-reduce | " + " | ".join(f"{m} replicas" for m in replicas) + " |",
-             "|---|" + "---:|" * len(replicas)]
-    for mode in modes:
+def comm_table(rows: list[dict], replicas: int = 8) -> str:
+    """bench_comm.py's rows at `replicas` replicas: one line per method (and scalar algorithm), one
+    column per model; a cell is DDP fp32's bytes over this method's (in brackets: over DDP bf16's),
+    whole model, with ✓ where real runs at 2 and 4 processes counted exactly the formula's bytes."""
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    cases = list(dict.fromkeys((r["method"], r["scalar"]) for r in rows))
+    header = [f"{m} ({int(next(r['params'] for r in rows if r['model'] == m)) / 1e6:,.1f} M, "
+              f"{100 * float(next(r['non_matrix_share'] for r in rows if r['model'] == m)):.0f} % non-matrix)" for m in models]
+    lines = [f"| replicate-axis bytes per step, whole model, {replicas} replicas: 1/(DDP fp32 ÷ method) "
+             f"[vs DDP bf16] | " + " | ".join(header) + " |", "|---|" + "---:|" * len(models)]
+    for method, scalar in cases:
         cells = []
-        for m in replicas:
-            formula = next(r for r in rows if r["mode"] == mode and int(r["replicas"]) == m and r["source"] == "formula")
-            measured = [r for r in rows if r["mode"] == mode and int(r["replicas"]) == m and r["source"] != "formula"]
-            ratio = float(formula["ratio_vs_fp32_allreduce"])
-            cell = f"1/{1 / ratio:.1f}" if ratio < 0.999 else f"{ratio:.2f}"
-            if formula.get("auto_format"):
-                cell += f" ({formula['auto_format']})"
-            if measured:
-                cell += " ✓" if all(r["measured_equals_formula"] == "True" for r in measured) else " ✗"
+        for model in models:
+            row = next(r for r in rows if (r["model"], r["method"], r["scalar"], int(r["replicas"])) ==
+                       (model, method, scalar, replicas))
+            checked = [r for r in rows if (r["model"], r["method"], r["scalar"]) == (model, method, scalar)
+                       and r["measured_equals_formula"] != ""]
+            cell = f"1/{float(row['vs_ddp_fp32']):.1f} [1/{float(row['vs_ddp_bf16']):.1f}]"
+            if checked:
+                cell += " ✓" if all(r["measured_equals_formula"] == "True" and r["replicas_identical"] == "True"
+                                    for r in checked) else " ✗"
             cells.append(cell)
-        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+        name = method + (f" + {scalar} for the rest" if scalar else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -81,7 +85,7 @@ def tables(paths: list[Path]) -> str:
             rows = list(csv.DictReader(f))
         shown = path.relative_to(ROOT).as_posix() if path.resolve().is_relative_to(ROOT) else path.as_posix()
         render = training_table if rows and "final_val_loss" in rows[0] else \
-            comm_table if rows and "ratio_vs_fp32_allreduce" in rows[0] else plain_table
+            comm_table if rows and "vs_ddp_fp32" in rows[0] else plain_table
         parts.append(f"<!-- {shown}: python launch/results_table.py {shown} -->\n{render(rows)}")
     return "\n\n".join(parts)
 

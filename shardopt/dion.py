@@ -7,6 +7,9 @@ shard axis splits b (see `MatrixLayout.transpose`), with local rows b_i:
     P ← B·Q                                    (k, a, r)   shard: Σ over blocks; replicate: mean
     P ← orthonormalize(P)
     R ← Bᵀ·P                                   (k, b_i, r) replicate: mean
+                                               (P, R cross the replicate axis in `wire_dtype`,
+                                               rounded first: every replica holds the same values,
+                                               and the error feedback below uses them)
     M ← B − (1−μ)·P·Rᵀ                         error feedback, local to the replica
     Q ← R / (‖R[:, j]‖₂ + ε)                   column norms summed over the shard axis
     X ← (1 − lr·wd)·X − lr·√(m/n)·P·Qᵀ         X is m×n (fan_out×fan_in)
@@ -63,24 +66,42 @@ def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int
     return {"momentum": torch.zeros_like(param), "Q": like_param(param, Q, layout.shape[0]) if layout.sharded else Q}
 
 
-def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool):
+def wire_dtype(group: dict) -> torch.dtype:
+    """The group's replicate-axis precision of P and R (torch.bfloat16 or torch.float32)."""
+    return getattr(torch, group["wire_dtype"])
+
+
+def replicate_mean(T: torch.Tensor, replicate: Axis, wire: torch.dtype):
+    """T ← mean over the replicate axis, exchanged in `wire`: T is rounded to `wire` before the
+    all-reduce, so every replica gets the same values, returned in T's dtype (a generator).
+    Nothing is rounded on a replicate axis of size 1 (nothing is exchanged)."""
+    if replicate.size == 1:
+        return T
+    mean = yield replicate.all_reduce(T.to(wire), "mean", async_op=True)
+    return mean.to(T.dtype)
+
+
+def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool,
+                             wire: torch.dtype):
     """P ← mean_replicas(Σ_shards P) for P (k, a, r); a generator of collectives (see schedule.py).
 
     With both axes (HSDP) the replicate axis carries only this rank's a/F rows:
     reduce-scatter the rows over the shard axis, average the piece over the
-    replicate axis, all-gather it back (rows padded to a multiple of F).
+    replicate axis (in `wire`), all-gather it back in `wire` (lossless: the piece
+    holds `wire` values; rows padded to a multiple of F).
     """
     if not average_replicas:
         return (yield shard.all_reduce(P, "sum", async_op=True))
     if shard.size == 1:
-        return (yield replicate.all_reduce(P, "mean", async_op=True))
+        return (yield from replicate_mean(P, replicate, wire))
     k, a, r = P.shape
     rows = padded_length(a, shard.size)
     by_rows = torch.nn.functional.pad(P.permute(1, 0, 2), (0, 0, 0, 0, 0, rows - a))   # (rows, k, r)
     piece = yield shard.reduce_scatter(by_rows, async_op=True)                          # (rows/F, k, r)
-    piece = yield replicate.all_reduce(piece, "mean", async_op=True)
-    gathered = yield shard.all_gather(piece, async_op=True)
-    return gathered.reshape(rows, k, r)[:a].permute(1, 0, 2)
+    piece = yield from replicate_mean(piece, replicate, wire)
+    exchanged = piece.to(wire) if replicate.size > 1 else piece
+    gathered = yield shard.all_gather(exchanged, async_op=True)
+    return gathered.to(P.dtype).reshape(rows, k, r)[:a].permute(1, 0, 2)
 
 
 def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
@@ -97,11 +118,12 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
         G, B = G.mT, B.mT
     B += G
 
-    P = yield from sum_shards_mean_replicas(B @ Q, shard, replicate, low_rank)
+    wire = wire_dtype(group)
+    P = yield from sum_shards_mean_replicas(B @ Q, shard, replicate, low_rank, wire)
     P = orthonormalize(P, group["qr_method"])
     R = B.mT @ P
     if low_rank:
-        R = yield replicate.all_reduce(R, "mean", async_op=True)
+        R = yield from replicate_mean(R, replicate, wire)
     B.sub_(P @ R.mT, alpha=1 - group["mu"])
     col_sq_norms = yield shard.all_reduce((R * R).sum(dim=-2), "sum", async_op=True)
     Q = column_normalize(R, col_sq_norms, Q, group["epsilon"])

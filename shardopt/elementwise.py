@@ -1,4 +1,5 @@
-"""AdamW and Lion, the element-wise updates for non-matrix parameters (pure, in place on lists)."""
+"""AdamW, the element-wise update for non-matrix parameters (pure, in place on lists); Lion, whose
+signs are voted over the replicate axis, is in scalar.py."""
 
 import torch
 
@@ -22,12 +23,3 @@ def adamw_update(params, grads, exp_avgs, exp_avg_sqs, step: int, *, lr: float, 
     torch._foreach_mul_(params, 1 - lr * weight_decay)
     torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / bias1)
 
-
-def lion_update(params, grads, exp_avgs, *, lr: float, betas, weight_decay: float) -> None:
-    """Lion: x ← (1 − lr·wd)·x − lr·sign(β₁m + (1−β₁)g);  m ← β₂m + (1−β₂)g."""
-    beta1, beta2 = betas
-    directions = torch._foreach_lerp(exp_avgs, grads, 1 - beta1)
-    directions = [d.sign_() for d in directions]
-    torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_add_(params, directions, alpha=-lr)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta2)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .hyperparams import ALGORITHMS, MATRIX_ALGORITHMS
+from .hyperparams import ALGORITHMS, DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names
+from .traffic import describe
 
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm,
               nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)
@@ -33,7 +35,8 @@ def _why_scalar(name: str, param: torch.Tensor, module: nn.Module, embedding_par
 
 def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algorithm: str = "adamw", *,
                  matrix_options: dict | None = None, scalar_options: dict | None = None,
-                 head_names=HEAD_NAMES, scalar_names=(), verbose: bool = False) -> list[dict]:
+                 head_names=HEAD_NAMES, scalar_names=(), verbose: bool = False,
+                 replicas: int | None = None) -> list[dict]:
     """Two param groups for a model: 2-D weights for `matrix_algorithm`, the rest for `scalar_algorithm`.
 
     Scalar (element-wise) params: embeddings and weights tied to them, output heads (module
@@ -42,7 +45,8 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algori
     parameters) and the options given for it (e.g. scalar_options={"lr": 3e-4}). The scalar group
     has no weight decay unless scalar_options sets "weight_decay" (norms, biases and embeddings
     are usually not decayed); the matrix group takes the optimizer's default.
-    With verbose=True, prints one line per group. Groups with no params are left out.
+    With verbose=True, prints one line per group with its replicate-axis bytes per step at
+    `replicas` replicas (see describe_groups). Groups with no params are left out.
     """
     if matrix_algorithm not in MATRIX_ALGORITHMS:
         raise ValueError(f"Invalid matrix_algorithm: {matrix_algorithm!r}; allowed: {', '.join(map(repr, MATRIX_ALGORITHMS))}")
@@ -67,17 +71,22 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algori
             reasons[reason] = reasons.get(reason, 0) + 1
     groups = [g for g in (matrix, scalar) if g["params"]]
     if verbose:
-        print(describe_groups(groups, reasons))
+        print(describe_groups(groups, reasons, replicas))
     return groups
 
 
-def describe_groups(groups: list[dict], reasons: dict | None = None) -> str:
-    """One line per group: algorithm, tensor count, element count, and why params were made scalar."""
-    lines = []
+def describe_groups(groups: list[dict], reasons: dict | None = None, replicas: int | None = None) -> str:
+    """One line per group: algorithm, tensors, elements and replicate-axis bytes per step per rank at
+    `replicas` replicas (default: the world size of an initialized process group, else 2; keys a
+    group does not set take the optimizers' defaults), the whole model against a float32
+    all-reduce, and why params were made non-matrix. An optimizer's own figure: `opt.describe()`."""
+    if replicas is None:
+        replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
+    complete = []
     for group in groups:
-        count = sum(p.numel() for p in group["params"])
-        line = f"shardopt: {group['algorithm']:>8}: {len(group['params'])} tensors, {count:,} elements"
-        if group["algorithm"] not in MATRIX_ALGORITHMS and reasons:
-            line += " (" + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())) + ")"
-        lines.append(line)
-    return "\n".join(lines)
+        complete.append({**DEFAULTS, **group})
+        normalize_dtype_names(complete[-1])
+    text = describe(complete, replicas)
+    if reasons:
+        text += "\nshardopt: non-matrix params: " + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items()))
+    return text

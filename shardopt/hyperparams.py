@@ -14,6 +14,8 @@ MATRIX_ALGORITHMS = ("dion", "signmuon", "muon")
 LR_SCALES = ("none", "unit_gain")
 ORTHOGONALIZE = ("shard", "full")
 NS_DTYPES = ("float32", "float64", "bfloat16", "float16")
+WIRE_DTYPES = ("bfloat16", "float32")
+DTYPE_KEYS = ("ns_dtype", "wire_dtype")   # accept a torch.dtype or its name; the group holds the name
 
 # Every group carries every key (as torch.optim does); each algorithm reads its own.
 DEFAULTS = {
@@ -35,17 +37,20 @@ DEFAULTS = {
     "lr_scale": "none",
     "vote": "auto",
     "orthogonalize": "shard",
+    # replicate-axis precision of Dion's P and R, and of Sign-Muon's "full" shard-axis all-to-all
+    "wire_dtype": "bfloat16",
 }
 
 # Which keys each algorithm reads (validated only where read).
 KEYS = {
-    "dion": ("lr", "weight_decay", "epsilon", "mu", "rank_fraction", "rank_multiple_of", "qr_method"),
+    "dion": ("lr", "weight_decay", "epsilon", "mu", "rank_fraction", "rank_multiple_of", "qr_method", "wire_dtype"),
     "signmuon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "post_polar",
-                 "lr_scale", "vote", "orthogonalize"),
-    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "orthogonalize"),
+                 "lr_scale", "vote", "orthogonalize", "wire_dtype"),
+    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "orthogonalize", "wire_dtype"),
     "adamw": ("lr", "weight_decay", "betas", "epsilon"),
-    "lion": ("lr", "weight_decay", "betas"),
+    "lion": ("lr", "weight_decay", "betas", "vote"),
 }
+HINTS = {("adamw", "vote"): "; for a 1-bit vote of the non-matrix parameters use algorithm 'lion'"}
 
 
 def _where(index: int) -> str:
@@ -81,12 +86,28 @@ def _flag(group, key, index):
         raise ValueError(f"Invalid {key}: {group[key]!r} ({_where(index)}); {key} must be True or False")
 
 
-def validate_group(group: dict, index: int) -> None:
-    """Raise ValueError naming the key, the group, the value given and what is allowed."""
+def normalize_dtype_names(group: dict) -> None:
+    """In place: a torch.dtype given for ns_dtype / wire_dtype becomes its name ("bfloat16"), so
+    param groups hold plain strings (state_dict, JSON checkpoint metadata)."""
+    for key in DTYPE_KEYS:
+        if isinstance(group.get(key), torch.dtype):
+            group[key] = str(group[key]).removeprefix("torch.")
+
+
+def validate_group(group: dict, index: int, explicit_keys=()) -> None:
+    """Raise ValueError naming the key, the group, the value given and what is allowed.
+    `explicit_keys`: the hyperparameters the user set in this group (not defaults); each must be
+    one the group's algorithm reads."""
     algorithm = group["algorithm"]
     if algorithm not in ALGORITHMS:
         raise ValueError(f"Invalid algorithm: {algorithm!r} ({_where(index)}); allowed: "
                          f"{', '.join(map(repr, ALGORITHMS))}")
+    for key in explicit_keys:
+        if key in DEFAULTS and key not in KEYS[algorithm]:
+            readers = [name for name, keys in KEYS.items() if key in keys]
+            raise ValueError(f"Invalid {key} in {_where(index)} (algorithm {algorithm!r}): only "
+                             f"{', '.join(map(repr, readers))} groups read {key}; remove it from this group"
+                             f"{HINTS.get((algorithm, key), '')}")
     inf = float("inf")
     checks = {
         "lr": lambda: _number(group, "lr", index, 0.0, inf),
@@ -102,6 +123,7 @@ def validate_group(group: dict, index: int) -> None:
         "vote": lambda: _choice(group, "vote", index, VOTES),
         "orthogonalize": lambda: _choice(group, "orthogonalize", index, ORTHOGONALIZE),
         "ns_dtype": lambda: _choice(group, "ns_dtype", index, (None,) + NS_DTYPES),
+        "wire_dtype": lambda: _choice(group, "wire_dtype", index, WIRE_DTYPES),
         "nesterov": lambda: _flag(group, "nesterov", index),
         "post_polar": lambda: _flag(group, "post_polar", index),
         "betas": lambda: _betas(group, index),

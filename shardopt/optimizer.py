@@ -13,16 +13,18 @@ import zlib
 
 import torch
 
-from . import dion, scalar, signmuon
+from . import dion, scalar, signmuon, traffic
 from .comm import Axis
-from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, validate_group
-from .placement import derive_meshes, local, matrix_layout
+from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names, validate_group
+from .placement import derive_meshes, local, matrix_buckets
 from .schedule import complete, overlap
 
 logger = logging.getLogger("shardopt")
 NONFINITE = ("skip", "raise")
 MATRIX_STEPS = {"dion": dion.step, "signmuon": signmuon.step, "muon": signmuon.muon_step}
 MATRIX_INIT = {"dion": dion.init_state, "signmuon": signmuon.init_state, "muon": signmuon.init_state}
+# the state each replica keeps for itself (averaged by synchronize_for_checkpoint)
+DECOUPLED_MOMENTUM = {"dion": "momentum", "signmuon": "momentum", "muon": "momentum", "lion": "exp_avg"}
 
 
 class ShardOptimizer(torch.optim.Optimizer):
@@ -64,17 +66,20 @@ class ShardOptimizer(torch.optim.Optimizer):
     # ---- param groups -------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         param_group.setdefault("algorithm", self.matrix_algorithm)
+        explicit_keys = [key for key in param_group if key in DEFAULTS]
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
         names = group.get("param_names") or [None] * len(group["params"])
         labels = [f"{name!r}" if name else f"#{position} of param group {index}" for position, name in enumerate(names)]
         try:
-            validate_group(group, index)
+            normalize_dtype_names(group)
+            validate_group(group, index, explicit_keys)
             for param, label in zip(group["params"], labels):
                 if not param.dtype.is_floating_point:
-                    raise ValueError(f"param {label} has dtype {param.dtype}; shardopt optimizes floating-point "
-                                     f"tensors only (float32, float64, bfloat16, float16)")
+                    raise ValueError(f"param {label} of param group {index} ({group['algorithm']!r}) has dtype "
+                                     f"{param.dtype}; shardopt optimizes floating-point tensors only (float32, "
+                                     f"float64, bfloat16, float16)")
                 if group["algorithm"] in MATRIX_ALGORITHMS and param.ndim != 2:
                     raise ValueError(f"param {label} with shape {tuple(param.shape)} is in a {group['algorithm']!r} "
                                      f"group but is not 2-D; put it in an 'adamw' or 'lion' group "
@@ -162,11 +167,7 @@ class ShardOptimizer(torch.optim.Optimizer):
                 yield self._scalar_step(params, group)
 
     def _buckets(self, params) -> dict:
-        """(layout, dtype, device) → the params that share them (one bucket), in parameter order."""
-        buckets: dict = {}
-        for param in params:
-            buckets.setdefault((matrix_layout(param), param.dtype, param.device), []).append(param)
-        return buckets
+        return matrix_buckets(params)
 
     def _states(self, params, init) -> list[dict]:
         states = []
@@ -183,17 +184,33 @@ class ShardOptimizer(torch.optim.Optimizer):
         algorithm = group["algorithm"]
         init = MATRIX_INIT[algorithm]
         states = self._states(params, lambda p: init(p, layout, group, self._seed(p)))
-        bucket_seed = (self._seed(params[0]) * 1_000_003 + int(states[0]["step"])) % 2**63
         return MATRIX_STEPS[algorithm]([local(p) for p in params], [local(p.grad) for p in params], _local_states(states),
-                                group, layout, self.replicate, self.shard, bucket_seed)
+                                group, layout, self.replicate, self.shard, self._step_seed(params[0], states[0]))
 
     def _scalar_step(self, params, group: dict):
         states = self._states(params, lambda p: scalar.init_state(p, group["algorithm"]))
         return scalar.step([local(p) for p in params], [local(p.grad) for p in params], _local_states(states), group,
-                    self.replicate)
+                    self.replicate, self._step_seed(params[0], states[0]))
 
     def _seed(self, param) -> int:
         return (self.seed * 1_000_003 + self._param_index[param]) % 2**63
+
+    def _step_seed(self, first_param, first_state) -> int:
+        """The seed of one bucket's coins at this step: equal on every rank, new every step."""
+        return (self._seed(first_param) * 1_000_003 + int(first_state["step"])) % 2**63
+
+    # ---- traffic ------------------------------------------------------------------------------
+    def replicate_bytes_per_step(self, replicas: int | None = None) -> list[int]:
+        """Bytes this rank sends on the replicate axis per step, per param group, at `replicas`
+        replicas (default: this optimizer's replicate axis); see traffic.py. The step's non-finite
+        check (`traffic.nonfinite_check_bytes`) comes on top, once per step."""
+        replicas = self.replicate.size if replicas is None else replicas
+        return [traffic.group_bytes(group, replicas) for group in self.param_groups]
+
+    def describe(self, replicas: int | None = None) -> str:
+        """One line per param group with its replicate-axis bytes per step, and the whole model
+        against a float32 all-reduce of every parameter (traffic.describe)."""
+        return traffic.describe(self.param_groups, self.replicate.size if replicas is None else replicas)
 
     # ---- distributed helpers ------------------------------------------------------------------
     def comm_stats(self) -> dict:
@@ -206,9 +223,11 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def synchronize_for_checkpoint(self) -> None:
-        """Average the decoupled momenta over the replicate axis (one all-reduce per dtype), so a
-        checkpoint holds one momentum that every replica agrees on."""
-        momenta = [local(state["momentum"]) for state in self.state.values() if "momentum" in state]
+        """Average the decoupled momenta (matrix groups' "momentum", Lion groups' "exp_avg") over the
+        replicate axis (one all-reduce per dtype), so a checkpoint holds one momentum that every
+        replica agrees on. AdamW's moments come from averaged gradients: equal already."""
+        momenta = [local(self.state[p][DECOUPLED_MOMENTUM[group["algorithm"]]]) for group in self.param_groups
+                   for p in group["params"] if group["algorithm"] in DECOUPLED_MOMENTUM and self.state.get(p)]
         if momenta:
             for momentum, mean in zip(momenta, complete(scalar.mean_gradients(momenta, self.replicate))):
                 momentum.copy_(mean)
@@ -240,22 +259,28 @@ def bit_hash(tensor: torch.Tensor) -> torch.Tensor:
 
 class Dion(ShardOptimizer):
     """Dion (DESIGN §1). Non-matrix params go in groups with algorithm "adamw" or "lion"
-    (see `shardopt.param_groups`), which use lr, betas, epsilon and weight_decay.
+    (see `shardopt.param_groups`), which use lr, betas, epsilon and weight_decay ("lion" groups
+    also `vote`, the wire format of their 1-bit vote). wire_dtype: torch.bfloat16 (default) or
+    torch.float32, the precision of P and R on the replicate axis (rounded before the exchange).
     `options`: seed, agreement_timeout_s, nonfinite (see ShardOptimizer)."""
 
     matrix_algorithm = "dion"
 
     def __init__(self, params, lr: float = 0.01, mu: float = 0.95, rank_fraction: float = 1.0,
                  rank_multiple_of: int = 1, weight_decay: float = 0.01, epsilon: float = 1e-8,
-                 qr_method: str = "qr", betas=(0.9, 0.95), *, replicate_mesh=None, shard_mesh=None,
-                 **options):
+                 qr_method: str = "qr", betas=(0.9, 0.95), wire_dtype=torch.bfloat16, vote: str = "auto", *,
+                 replicate_mesh=None, shard_mesh=None, **options):
         defaults = dict(lr=lr, mu=mu, rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
-                        weight_decay=weight_decay, epsilon=epsilon, qr_method=qr_method, betas=betas)
+                        weight_decay=weight_decay, epsilon=epsilon, qr_method=qr_method, betas=betas,
+                        wire_dtype=wire_dtype, vote=vote)
         super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, **options)
 
 
 class SignMuon(ShardOptimizer):
-    """Sign-Muon (DESIGN §2). vote: "allreduce_int8", "allgather_1bit", "alltoall_1bit" or "auto".
+    """Sign-Muon (DESIGN §2). vote: "allreduce_int8", "allgather_1bit", "alltoall_1bit" or "auto"
+    (also the format of "lion" groups' vote). wire_dtype: precision of the shard-axis all-to-all of
+    orthogonalize="full": torch.float32 (default, the exact Muon direction) or torch.bfloat16 (half
+    the shard-axis bytes; only the signs of the result are used).
     `options`: seed, agreement_timeout_s, nonfinite (see ShardOptimizer)."""
 
     matrix_algorithm = "signmuon"
@@ -263,8 +288,9 @@ class SignMuon(ShardOptimizer):
     def __init__(self, params, lr: float, momentum: float = 0.9, nesterov: bool = False, ns_steps: int = 5,
                  post_polar: bool = False, lr_scale: str = "none", weight_decay: float = 0.0,
                  betas=(0.9, 0.95), epsilon: float = 1e-8, ns_dtype: str | None = None, vote: str = "auto",
-                 orthogonalize: str = "shard", *, replicate_mesh=None, shard_mesh=None, **options):
+                 orthogonalize: str = "shard", wire_dtype=torch.float32, *, replicate_mesh=None, shard_mesh=None,
+                 **options):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, post_polar=post_polar,
                         lr_scale=lr_scale, weight_decay=weight_decay, betas=betas, epsilon=epsilon,
-                        ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize)
+                        ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize, wire_dtype=wire_dtype)
         super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, **options)

@@ -157,6 +157,15 @@ def matrix_layout(param: torch.Tensor) -> MatrixLayout:
     return layout
 
 
+def matrix_buckets(params) -> dict:
+    """(layout, dtype, device) → the params that share them (one bucket: one stacked step, one
+    collective per exchange), in parameter order."""
+    buckets: dict = {}
+    for param in params:
+        buckets.setdefault((matrix_layout(param), param.dtype, param.device), []).append(param)
+    return buckets
+
+
 def like_param(param: torch.Tensor, local_tensor: torch.Tensor, global_rows: int) -> torch.Tensor:
     """Wrap a local state tensor whose rows follow the param's rows as a DTensor placed like the
     param (so DCP can reshard it); plain params get the plain tensor."""

@@ -36,13 +36,14 @@ def _ns_dtype(group: dict) -> torch.dtype | None:
     return getattr(torch, group["ns_dtype"]) if group["ns_dtype"] else None
 
 
-def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int, dtype):
+def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int, dtype, wire: torch.dtype):
     """polar of whole matrices whose rows are split over the shard axis, returned as this rank's rows
     (a generator of collectives).
 
     U_in: (k, m_i, n). Matrix j is owned by shard rank j mod F: an all-to-all sends every
     row block to its owner, the owner orthogonalizes whole m×n matrices, and a second
-    all-to-all returns the row blocks. Shard-axis bytes: 2·(1 − own share)·k·m·n elements.
+    all-to-all returns the row blocks. Both all-to-alls carry `wire` (bf16 halves the bytes; only
+    the signs of the result are used). Shard-axis bytes: 2·(1 − own share)·k·m·n elements.
     """
     if not layout.sharded:
         return polar(U_in, steps, dtype)
@@ -51,12 +52,13 @@ def full_polar(U_in: torch.Tensor, layout: MatrixLayout, shard: Axis, steps: int
     mine = owners[shard.rank]
     to_owner = [len(matrices) * rows for matrices in owners]
     from_ranks = [len(mine) * rows_s for rows_s in layout.shard_rows]
-    received = yield shard.all_to_all(torch.cat([U_in[m].reshape(-1, n) for m in owners]), to_owner, from_ranks,
-                                      async_op=True)
+    received = yield shard.all_to_all(torch.cat([U_in[m].reshape(-1, n) for m in owners]).to(wire), to_owner,
+                                      from_ranks, async_op=True)
+    received = received.to(U_in.dtype)
     blocks = [piece.view(len(mine), rows_s, n) for piece, rows_s in zip(received.split(from_ranks), layout.shard_rows)]
     U = polar(torch.cat(blocks, dim=1), steps, dtype)                               # (len(mine), m, n)
-    back = torch.cat([block.reshape(-1, n) for block in U.split(layout.shard_rows, dim=1)])
-    returned = yield shard.all_to_all(back, from_ranks, to_owner, async_op=True)
+    back = torch.cat([block.reshape(-1, n) for block in U.split(layout.shard_rows, dim=1)]).to(wire)
+    returned = (yield shard.all_to_all(back, from_ranks, to_owner, async_op=True)).to(U.dtype)
     out = U.new_empty((k, rows, n))
     for matrices, piece in zip(owners, returned.split(to_owner)):
         out[matrices] = piece.view(len(matrices), rows, n)
@@ -74,7 +76,8 @@ def _direction(grads, states, group: dict, layout: MatrixLayout, shard: Axis):
     M.lerp_(G, 1 - beta)
     U_in = G.lerp(M, beta) if group["nesterov"] else M
     if group["orthogonalize"] == "full":
-        return (yield from full_polar(U_in, layout, shard, group["ns_steps"], _ns_dtype(group))), M
+        return (yield from full_polar(U_in, layout, shard, group["ns_steps"], _ns_dtype(group),
+                                      getattr(torch, group["wire_dtype"]))), M
     return polar(U_in, group["ns_steps"], _ns_dtype(group)), M
 
 

@@ -14,6 +14,11 @@ Ties (possible only for even M): "allreduce_int8" carries a zero and abstains
 (V = 0); the 1-bit formats break the tie with a coin ±1 drawn from a seed all
 replicas share, so every replica gets the same V. n is padded to a multiple
 of 8 (1-bit formats) and of 8M ("alltoall_1bit").
+
+A replica may also abstain on chosen entries (`abstain`, e.g. Lion's exact zero
+direction sign(0) = 0): "allreduce_int8" sends a 0 there; a 1-bit format cannot
+carry a zero, so the replica sends the shared coin instead (unbiased: entries on
+which every replica abstains move by a fair ±1, not by a fixed −1/+1).
 """
 
 from __future__ import annotations
@@ -66,25 +71,35 @@ def coin(n: int, seed: int, device: torch.device) -> torch.Tensor:
     return 2 * bits - 1
 
 
-def vote(positive: torch.Tensor, axis: Axis, fmt: str, seed: int) -> torch.Tensor:
+def abstain_seed(seed: int) -> int:
+    """The seed of the coins a replica sends where it abstains (independent of the tie coins)."""
+    return (seed * 6364136223846793005 + 1442695040888963407) % 2**63
+
+
+def vote(positive: torch.Tensor, axis: Axis, fmt: str, seed: int, abstain: torch.Tensor | None = None) -> torch.Tensor:
     """V = sign(Σ_replicas sᵢ) for a flat bool tensor `positive` (n,). Returns int8 (n,) in {−1, 0, +1}.
 
     `fmt` is a resolved format (not "auto"); `seed` must be equal on all replicas
-    (it seeds the tie-breaking coins of the 1-bit formats).
+    (it seeds the tie-breaking coins of the 1-bit formats). `abstain` (bool (n,), optional):
+    entries where this replica's sᵢ is 0 (see the module docstring).
     """
-    return complete(vote_exchange(positive, axis, fmt, seed))
+    return complete(vote_exchange(positive, axis, fmt, seed, abstain))
 
 
-def vote_exchange(positive: torch.Tensor, axis: Axis, fmt: str, seed: int):
+def vote_exchange(positive: torch.Tensor, axis: Axis, fmt: str, seed: int, abstain: torch.Tensor | None = None):
     """`vote` as a generator of collectives, for schedule.overlap."""
     n = positive.numel()
     voters = axis.size
-    if voters == 1:
-        return torch.where(positive, 1, -1).to(torch.int8)
-    if fmt == "allreduce_int8":
-        wire = torch.where(positive, 1, -1).to(_int_wire_dtype(voters))
-        total = yield axis.all_reduce(wire, "sum", async_op=True)
+    if voters == 1 or fmt == "allreduce_int8":
+        signs = torch.where(positive, 1, -1).to(torch.int8 if voters == 1 else _int_wire_dtype(voters))
+        if abstain is not None:
+            signs.masked_fill_(abstain, 0)
+        if voters == 1:
+            return signs
+        total = yield axis.all_reduce(signs, "sum", async_op=True)
         return torch.sign(total).to(torch.int8)
+    if abstain is not None:   # its own coin: reusing the tie coin would let an abstainer decide every tie
+        positive = torch.where(abstain, coin(n, abstain_seed(seed), positive.device) > 0, positive)
     tie_break = coin(n, seed, positive.device) if voters % 2 == 0 else None
     if fmt == "allgather_1bit":
         gathered = yield axis.all_gather(pack_signs(positive), async_op=True)   # (M, ceil(n/8))

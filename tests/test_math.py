@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from reference import newton_schulz
-from shardopt.elementwise import adamw_update, lion_update
+from shardopt.comm import Axis
+from shardopt.elementwise import adamw_update
 from shardopt.lowrank import column_normalize, dion_rank, orthonormalize
 from shardopt.polar import polar
+from shardopt.scalar import lion_vote_step
+from shardopt.schedule import complete
 from shardopt.signs import majority, pack_signs, padded_length, positive_signs, unpack_signs
 
 A, B, C = 3.4445, -4.7750, 2.0315
@@ -297,6 +300,12 @@ def reference_lion(x, g, m, lr, betas, wd):
     return x, m
 
 
+def lion_on_one_replica(params, grads, exp_avgs, lr, betas, wd, vote="auto"):
+    """shardopt's Lion-vote step on a replicate axis of size 1 (no exchange)."""
+    group = {"lr": lr, "betas": betas, "weight_decay": wd, "vote": vote}
+    complete(lion_vote_step(params, grads, exp_avgs, group, Axis("replicate"), seed=0))
+
+
 def test_lion_update_matches_hand_written_lion_over_steps():
     lr, betas, wd = 1e-3, (0.9, 0.99), 0.5
     shapes = [(6, 4), (9,)]
@@ -306,7 +315,7 @@ def test_lion_update_matches_hand_written_lion_over_steps():
     ref_m = [torch.zeros_like(p) for p in params]
     for step in range(6):
         grads = [gaussian(*s, seed=50 * step + i) for i, s in enumerate(shapes)]
-        lion_update(params, grads, exp_avgs, lr=lr, betas=betas, weight_decay=wd)
+        lion_on_one_replica(params, grads, exp_avgs, lr, betas, wd)
         for i in range(len(shapes)):
             ref_x[i], ref_m[i] = reference_lion(ref_x[i], grads[i], ref_m[i], lr, betas, wd)
             assert torch.allclose(params[i], ref_x[i], rtol=0, atol=1e-14)
@@ -315,6 +324,6 @@ def test_lion_update_matches_hand_written_lion_over_steps():
 
 def test_lion_zero_direction_does_not_move_param():
     x = torch.ones(4, dtype=torch.float64)
-    lion_update([x], [torch.zeros(4, dtype=torch.float64)], [torch.zeros(4, dtype=torch.float64)],
-                lr=0.1, betas=(0.9, 0.99), weight_decay=0.0)
+    lion_on_one_replica([x], [torch.zeros(4, dtype=torch.float64)], [torch.zeros(4, dtype=torch.float64)],
+                        0.1, (0.9, 0.99), 0.0)
     assert torch.equal(x, torch.ones(4, dtype=torch.float64))

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 import shardopt
+from shardopt.comm import collective_bytes
+from shardopt.vote import resolve_vote, vote_bytes
 
 
 class TinyLM(nn.Module):
@@ -324,12 +326,25 @@ def test_param_groups_untied_lm_head_and_options_and_scalar_names():
     assert optimizer.param_groups[0]["lr"] == 0.02 and optimizer.param_groups[1]["lr"] == 1e-3
 
 
-def test_param_groups_verbose_prints_one_line_per_group(capsys):
-    shardopt.param_groups(TiedModel(), "dion", verbose=True)
+@pytest.mark.parametrize("scalar_algorithm", ["adamw", "lion"])
+def test_param_groups_verbose_prints_each_groups_replicate_bytes(capsys, scalar_algorithm):
+    """One line per group with its bytes per step (the traffic formulas at `replicas`), the whole
+    model against a float32 all-reduce, and why params were made non-matrix."""
+    groups = shardopt.param_groups(TiedModel(), "dion", scalar_algorithm, verbose=True, replicas=4)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 2
-    assert "dion" in lines[0] and "2 tensors" in lines[0]
-    assert "adamw" in lines[1] and "10 tensors" in lines[1] and "embedding" in lines[1] and "norm" in lines[1]
+    assert len(lines) == 4
+    matrix_numel, scalar_numel = (sum(p.numel() for p in g["params"]) for g in groups)
+    matrix_bytes = collective_bytes("all_reduce", 4 * matrix_numel, 4)   # rank_fraction 1: the gradient mean
+    scalar_bytes = collective_bytes("all_reduce", 4 * scalar_numel, 4) if scalar_algorithm == "adamw" \
+        else vote_bytes(resolve_vote("auto", scalar_numel, 4), scalar_numel, 4)
+    assert lines[0].startswith("shardopt:     dion: 2 tensors") and f"{matrix_bytes:,} B/step" in lines[0]
+    assert f"{scalar_algorithm}: 10 tensors" in lines[1] and f"{scalar_bytes:,} B/step" in lines[1]
+    total = matrix_bytes + scalar_bytes + collective_bytes("all_reduce", 4, 4)
+    assert f"4 replicas: {total:,} B/step" in lines[2]
+    assert "embedding" in lines[3] and "norm" in lines[3]
+    optimizer = shardopt.Dion(groups)
+    assert optimizer.replicate_bytes_per_step(4) == [matrix_bytes, scalar_bytes]
+    assert optimizer.describe(4).splitlines() == lines[:3]
 
 
 def test_param_groups_quiet_by_default(capsys):

@@ -103,9 +103,40 @@ def test_boundary_values_that_are_allowed_for_signmuon(kwargs):
     shardopt.SignMuon([matrix()], lr=0.01, **kwargs)
 
 
-def test_keys_an_algorithm_does_not_read_are_not_validated():
-    """An adamw group inherits Dion's defaults; a Sign-Muon key it never reads is not checked."""
-    shardopt.Dion([{"params": [vector()], "algorithm": "adamw", "ns_steps": 0}])
+def test_defaults_an_algorithm_does_not_read_are_not_validated():
+    """An adamw group inherits the optimizer's defaults (rank_fraction, vote, ...) without error."""
+    shardopt.Dion([{"params": [vector()], "algorithm": "adamw"}], rank_fraction=0.25, vote="alltoall_1bit")
+
+
+@pytest.mark.parametrize("group, message", [
+    ({"algorithm": "adamw", "vote": "alltoall_1bit"}, r"Invalid vote in param group 0 \(algorithm 'adamw'\).*'lion'"),
+    ({"algorithm": "adamw", "ns_steps": 0}, r"Invalid ns_steps in param group 0 \(algorithm 'adamw'\)"),
+    ({"algorithm": "lion", "wire_dtype": torch.float32}, r"Invalid wire_dtype in param group 0 \(algorithm 'lion'\)"),
+])
+def test_a_key_set_on_a_group_whose_algorithm_does_not_read_it_raises(group, message):
+    with pytest.raises(ValueError, match=message):
+        shardopt.Dion([{"params": [vector()], **group}])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"wire_dtype": torch.float16}, r"Invalid wire_dtype: 'float16' \(param group 1\); allowed: 'bfloat16', 'float32'"),
+    ({"wire_dtype": "int8"}, r"Invalid wire_dtype: 'int8'"),
+    ({"vote": "allreduce_2bit"}, r"Invalid vote: 'allreduce_2bit' \(param group 0\)"),
+])
+def test_bad_wire_dtype_or_vote_names_the_parameter(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        shardopt.Dion([{"params": [vector()], "algorithm": "lion"}, {"params": [matrix()]}], **kwargs)
+
+
+def test_wire_dtype_given_as_torch_dtype_is_held_as_its_name():
+    optimizer = shardopt.Dion([matrix()], wire_dtype=torch.float32)
+    assert optimizer.param_groups[0]["wire_dtype"] == "float32"
+
+
+def test_lion_group_with_an_integer_tensor_names_the_group():
+    with pytest.raises(ValueError, match=r"param group 1 \('lion'\) has dtype torch.int64"):
+        shardopt.SignMuon([{"params": [matrix()]},
+                           {"params": [torch.zeros(3, dtype=torch.int64)], "algorithm": "lion"}], lr=0.01)
 
 
 def test_signmuon_requires_lr():

@@ -8,7 +8,8 @@ The world is a mesh of `--replicate` × `--shard` ranks. FSDP2 shards every bloc
 root over the shard axis (it reduce-scatters gradients there, as usual); nobody averages
 gradients over the replicate axis except the optimizer, which exchanges them in its own
 compressed form (Dion: low-rank factors; Sign-Muon: a 1-bit majority vote). Embeddings,
-norms and the (tied) output head use AdamW with a full-precision mean, as in every run, so
+norms and the (tied) output head use --scalar-algorithm: AdamW with a full-precision mean
+(default) or Lion with a 1-bit majority vote, the same in every run, so
 the baselines differ only in the optimizer of the 2-D weights:
 
     adamw     AdamW (full-precision gradient mean over the replicate axis)
@@ -59,7 +60,12 @@ parser.add_argument("--replicate", type=int, default=None, help="replicas (data 
 parser.add_argument("--shard", type=int, default=1, help="FSDP2 shard ranks per replica")
 parser.add_argument("--optimizer", choices=sorted(DEFAULT_LR), default="dion")
 parser.add_argument("--lr", type=float, default=None, help=f"lr of the 2-D weights; default by optimizer {DEFAULT_LR}")
-parser.add_argument("--scalar-lr", type=float, default=3e-3, help="AdamW lr of embeddings, norms and head")
+parser.add_argument("--scalar-algorithm", choices=("adamw", "lion"), default="adamw", help="embeddings, norms and "
+                    "head: AdamW (full-precision gradient mean) or Lion (1-bit majority vote over the replicas)")
+parser.add_argument("--scalar-lr", type=float, default=None, help="lr of embeddings, norms and head; default "
+                    "3e-3 (adamw), 3e-4 (lion)")
+parser.add_argument("--wire-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="dion: precision of the low-rank factors on the replicate axis")
 parser.add_argument("--weight-decay", type=float, default=0.01, help="weight decay of the 2-D weights")
 parser.add_argument("--rank-fraction", type=float, default=0.25, help="dion: rank / min(m, n)")
 parser.add_argument("--mu", type=float, default=0.95, help="dion: error-feedback momentum")
@@ -81,7 +87,9 @@ parser.add_argument("--eval-batches", type=int, default=8, help="val batches per
 parser.add_argument("--checkpoint-every", type=int, default=0, help="0: no checkpoints")
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
 parser.add_argument("--out-dir", type=Path, default=None, help="default: runs/<optimizer>")
-parser.add_argument("--data-dir", type=Path, default=data.default_cache() / "shakespeare")
+parser.add_argument("--tokenizer", choices=data.TOKENIZERS, default="byte", help="byte (vocab 256) or BPE "
+                    "(vocab 4096: prepare with python integrations/data.py --tokenizer bpe)")
+parser.add_argument("--data-dir", type=Path, default=None, help="default: the prepared data of --tokenizer")
 parser.add_argument("--summary-csv", type=Path, default=None, help="append one row of final numbers to this CSV")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait for another rank "
@@ -90,6 +98,8 @@ parser.add_argument("--check-replicas-every", type=int, default=100, help="every
                     "replicas' weights are bitwise equal and stop with an error if not (0: never)")
 args = parser.parse_args()
 args.lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
+args.scalar_lr = args.scalar_lr or {"adamw": 3e-3, "lion": 3e-4}[args.scalar_algorithm]
+args.data_dir = args.data_dir or data.data_dir(data.default_cache(), args.tokenizer)
 args.out_dir = args.out_dir or Path("runs") / args.optimizer
 
 # ---- distributed set-up: a (replicate, shard) mesh ---------------------------------------------
@@ -143,8 +153,8 @@ def batch(split: str, step: int):
 
 # ---- model: FSDP2 over the shard axis only -----------------------------------------------------
 torch.manual_seed(args.seed)   # the same initial weights on every rank
-model = GPT(GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                      n_embd=args.n_embd)).to(device)
+model = GPT(GPTConfig(vocab_size=data.vocab_size(args.data_dir), block_size=args.block_size, n_layer=args.n_layer,
+                      n_head=args.n_head, n_embd=args.n_embd)).to(device)
 # (also when --shard is 1: the parameters are then DTensors all the same, so the optimizer state has
 # one layout at every mesh shape and a checkpoint resumes on a different --replicate × --shard)
 for block in model.transformer.h:
@@ -155,12 +165,12 @@ log(f"model: {model.num_params():,} params, {args.n_layer} layers, width {args.n
 
 # ---- optimizer: the 2-D weights get --optimizer, everything else AdamW ---------------------------
 matrix_algorithm = "dion" if args.optimizer == "adamw" else args.optimizer
-groups = shardopt.param_groups(model, matrix_algorithm, "adamw", scalar_options=dict(lr=args.scalar_lr, weight_decay=0.0),
-                               verbose=master)
+groups = shardopt.param_groups(model, matrix_algorithm, args.scalar_algorithm,
+                               scalar_options=dict(lr=args.scalar_lr, weight_decay=0.0))
 meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed)
 if args.optimizer == "dion":
     opt = shardopt.Dion(groups, lr=args.lr, mu=args.mu, rank_fraction=args.rank_fraction,
-                        weight_decay=args.weight_decay, **meshes)
+                        weight_decay=args.weight_decay, wire_dtype=args.wire_dtype, **meshes)
 elif args.optimizer == "signmuon":
     opt = shardopt.SignMuon(groups, lr=args.lr, momentum=args.momentum, ns_steps=args.ns_steps, vote=args.vote,
                             weight_decay=args.weight_decay, **meshes)
@@ -168,6 +178,7 @@ else:   # the baselines: Muon, or AdamW on the matrices too; both average full-p
     groups[0]["algorithm"] = args.optimizer
     opt = shardopt.ShardOptimizer(groups, dict(lr=args.lr, momentum=args.momentum, ns_steps=args.ns_steps,
                                                weight_decay=args.weight_decay), **meshes)
+log(opt.describe())
 base_lrs = [group["lr"] for group in opt.param_groups]
 
 
@@ -321,7 +332,8 @@ dist.barrier()
 if master and totals["steps"]:
     final_val = next((float(r["val_loss"]) for r in reversed(rows) if r["val_loss"] != ""), float("nan"))
     summary = {
-        "optimizer": args.optimizer, "replicate": args.replicate, "shard": args.shard, "lr": args.lr,
+        "optimizer": args.optimizer, "scalar_algorithm": args.scalar_algorithm, "scalar_lr": args.scalar_lr,
+        "tokenizer": args.tokenizer, "seed": args.seed, "replicate": args.replicate, "shard": args.shard, "lr": args.lr,
         "rank_fraction": args.rank_fraction if args.optimizer == "dion" else "",
         "vote": resolve_vote(args.vote, max(p.to_local().numel() for p in groups[0]["params"]), args.replicate)
         if args.optimizer == "signmuon" else "",   # the wire format "auto" picks for the largest matrix

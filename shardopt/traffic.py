@@ -1,0 +1,107 @@
+"""Replicate-axis bytes per step, from the same formulas the communication layer counts with.
+
+One rank's bytes sent on the replicate axis for one optimizer step, per bucket of matrices or per
+element-wise group (M replicas, F shard ranks; `collective_bytes` is the ring formula of comm.py):
+
+| algorithm | exchange | bytes |
+|---|---|---|
+| "dion", compressed | P (k, a/F, r), R (k, b_i, r) averaged in `wire_dtype` | AR(k·⌈a/F⌉·r·w) + AR(k·b_i·r·w) |
+| "dion", fallback / "muon" | gradient mean in the compute dtype (≥ fp32) | AR(k·m_i·n·4) |
+| "signmuon" | 1-bit (or int8) vote on k·m_i·n signs | vote_bytes(format, k·m_i·n, M) |
+| "adamw" | gradient mean, one flat buffer per dtype | AR(n·itemsize) |
+| "lion" | vote on the n signs, one flat vote per dtype | vote_bytes(format, n, M) |
+
+plus, once per step, the non-finite check: AR(4). AR(x) = 2·x·(M−1)/M. `group_bytes` applies
+these to a param group's buckets as the optimizer forms them, so a measured `comm_stats()` equals
+them exactly (every param with a gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import collective_bytes
+from .dion import compressed, oriented_shape, rank_of
+from .hyperparams import MATRIX_ALGORITHMS
+from .placement import MatrixLayout, local, matrix_buckets
+from .signs import padded_length
+from .vote import resolve_vote, vote_bytes
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def matrix_bucket_bytes(group: dict, layout: MatrixLayout, count: int, dtype: torch.dtype, replicas: int) -> int:
+    """Replicate-axis bytes of one bucket of `count` same-layout matrices of `group`."""
+    m, n = layout.shape
+    local_entries = count * layout.rows * n
+    compute_itemsize = _itemsize(torch.promote_types(dtype, torch.float32))
+    algorithm = group["algorithm"]
+    if algorithm == "signmuon":
+        return vote_bytes(resolve_vote(group["vote"], local_entries, replicas), local_entries, replicas)
+    if algorithm == "dion" and compressed(layout, group):
+        a, _ = oriented_shape(layout)
+        r = rank_of(layout, group)
+        b_local = layout.rows if layout.sharded else oriented_shape(layout)[1]
+        shard_size = len(layout.shard_rows)
+        a_piece = padded_length(a, shard_size) // shard_size
+        wire = _itemsize(getattr(torch, group["wire_dtype"]))
+        return (collective_bytes("all_reduce", count * a_piece * r * wire, replicas)
+                + collective_bytes("all_reduce", count * b_local * r * wire, replicas))
+    return collective_bytes("all_reduce", local_entries * compute_itemsize, replicas)   # dion fallback, muon
+
+
+def elementwise_group_bytes(group: dict, numel_by_dtype: dict, replicas: int) -> int:
+    """Replicate-axis bytes of an "adamw" or "lion" group holding numel_by_dtype[dtype] entries."""
+    total = 0
+    for dtype, numel in numel_by_dtype.items():
+        if group["algorithm"] == "lion":
+            total += vote_bytes(resolve_vote(group["vote"], numel, replicas), numel, replicas)
+        else:
+            total += collective_bytes("all_reduce", numel * _itemsize(dtype), replicas)
+    return total
+
+
+def nonfinite_check_bytes(replicas: int) -> int:
+    """The step's agreed NaN/inf flag: one all-reduce of one float32."""
+    return collective_bytes("all_reduce", 4, replicas)
+
+
+def allreduce_bytes(numel: int, dtype: torch.dtype, replicas: int) -> int:
+    """A plain ring all-reduce of `numel` gradients in `dtype` (what DDP sends per step)."""
+    return collective_bytes("all_reduce", numel * _itemsize(dtype), replicas)
+
+
+def group_bytes(group: dict, replicas: int) -> int:
+    """Replicate-axis bytes one rank sends per step for a param group (with every key of DEFAULTS)."""
+    params = group["params"]
+    if group["algorithm"] in MATRIX_ALGORITHMS:
+        return sum(matrix_bucket_bytes(group, layout, len(bucket), dtype, replicas)
+                   for (layout, dtype, _), bucket in matrix_buckets(params).items())
+    numel: dict = {}
+    for param in params:
+        numel[param.dtype] = numel.get(param.dtype, 0) + local(param).numel()
+    return elementwise_group_bytes(group, numel, replicas)
+
+
+EXCHANGE = {"dion": lambda g: f"rank_fraction {g['rank_fraction']:g}, {g['wire_dtype']} factors",
+            "signmuon": lambda g: f"1-bit vote ({g['vote']})", "lion": lambda g: f"1-bit vote ({g['vote']})",
+            "adamw": lambda g: "full-precision gradient mean", "muon": lambda g: "full-precision gradient mean"}
+
+
+def describe(groups: list[dict], replicas: int) -> str:
+    """One line per group (algorithm, tensors, elements, replicate-axis bytes per step on this rank),
+    then the whole model (non-finite check included) against a float32 all-reduce of every parameter."""
+    lines, total, numel_total = [], nonfinite_check_bytes(replicas), 0
+    for group in groups:
+        sent = group_bytes(group, replicas)
+        numel = sum(local(p).numel() for p in group["params"])
+        total, numel_total = total + sent, numel_total + numel
+        lines.append(f"shardopt: {group['algorithm']:>8}: {len(group['params'])} tensors, {numel:,} elements, "
+                     f"{sent:,} B/step ({EXCHANGE[group['algorithm']](group)})")
+    baseline = allreduce_bytes(numel_total, torch.float32, replicas)
+    ratio = f"1/{baseline / total:.1f} of" if total else "vs"
+    lines.append(f"shardopt: whole model, {replicas} replicas: {total:,} B/step on the replicate axis per rank, "
+                 f"{ratio} a float32 all-reduce of every parameter ({baseline:,} B)")
+    return "\n".join(lines)
