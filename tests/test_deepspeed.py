@@ -418,12 +418,18 @@ def test_missing_deepspeed_gives_an_install_hint(monkeypatch):
         sds.initialize(model=_model(), config=_config("Dion"))
 
 
+def _write_corpus(directory) -> None:
+    """A small byte corpus in the layout integrations/data.py prepares."""
+    text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(500))
+    (directory / "train.bin").write_bytes(text)
+    (directory / "meta.json").write_text('{"vocab_size": 256, "dtype": "uint8"}')
+
+
 @pytest.mark.parametrize("config", ["dion_bf16", "signmuon_bf16", pytest.param("signmuon_fp16", marks=needs_fp16),
                                     "adamw"])
 def test_train_script_runs_under_torchrun(config, tmp_path):
     """The GPT of integrations/model.py on a small byte corpus in the prepared layout."""
-    text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(500))
-    (tmp_path / "train.bin").write_bytes(text)
+    _write_corpus(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(ROOT / "integrations" / "deepspeed" / "train.py"), "--data-dir", str(tmp_path),
@@ -440,8 +446,7 @@ def test_tiny_gpt2_trains_through_accelerate_deepspeed_plugin_with_compressed_by
     missing = [name for name in ("transformers", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"{' and '.join(missing)} not installed (pip install 'shardopt[hf]')")
-    text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(500))
-    (tmp_path / "train.bin").write_bytes(text)
+    _write_corpus(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(ROOT / "integrations" / "deepspeed" / "train_accelerate.py"), "--data-dir", str(tmp_path),

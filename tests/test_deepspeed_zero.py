@@ -23,7 +23,9 @@ from workers import WorkerPool  # noqa: E402
 
 TIMEOUT_S = 300
 MESH = {"replicate": 2, "shard": 2}
-PARAMS = {"Dion": {"lr": 0.05, "rank_fraction": 0.25, "weight_decay": 0.01},
+# Dion's P and R cross the replicate axis in float32 here: with the bf16 default the stage-2 rounding difference
+# (see the test's doc) is rounded to bf16 too and reaches ~4e-4 in the weights after 12 steps.
+PARAMS = {"Dion": {"lr": 0.05, "rank_fraction": 0.25, "weight_decay": 0.01, "wire_dtype": "float32"},
           "SignMuon": {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.0}}
 STEPS = 12
 

@@ -10,7 +10,7 @@ both), `client_optimizer(model, config)` is the optimizer handed to accelerator.
 `attach(engine)` wires the engine afterwards (its gradient all-reduce off: the optimizer sends
 low-rank factors or 1-bit votes). The same config file serves train.py.
 
-Data: the bytes of integrations/data.py's prepared corpus (vocab 256), each rank its own batches.
+Data: integrations/data.py's prepared corpus (its meta.json gives the vocabulary), each rank its own batches.
 """
 
 import argparse
@@ -45,8 +45,9 @@ def main():
     config = json.loads(args.deepspeed_config.read_text())
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=shardopt.deepspeed.engine_config(config)))
     torch.manual_seed(args.seed)   # the same initial weights on every rank
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=args.block_size, n_embd=args.n_embd,
-                                       n_layer=args.n_layer, n_head=4, bos_token_id=0, eos_token_id=0))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=data.vocab_size(args.data_dir), n_positions=args.block_size,
+                                       n_embd=args.n_embd, n_layer=args.n_layer, n_head=4, bos_token_id=0,
+                                       eos_token_id=0))
     optimizer = shardopt.deepspeed.client_optimizer(model, config)
     engine, _ = accelerator.prepare(model, optimizer)
     ours = shardopt.deepspeed.attach(engine)
