@@ -5,7 +5,8 @@
 - per-rank optimizer state ≤ 0.6× stage 0's, replicate-axis bytes per step ≤ 1.1× stage 0's (stage 0
   with every rank a replica, the plugin's default), all four ranks' weights bitwise identical, loss down;
 - the shard-axis bytes equal the reduce-scatter + all-gather formulas;
-- bf16 at stage 2 trains with identical replicas; engine checkpoints at stage 1/2 are refused clearly.
+- bf16 at stage 2 (non-matrix params on Lion's vote) trains with identical replicas; engine checkpoints at
+  stage 1/2 are refused clearly.
 """
 
 import os
@@ -59,19 +60,18 @@ def _data():
     return x, torch.sin(3 * x[:, :8])
 
 
-def _config(optimizer, stage, mesh, precision="fp32", vote=None):
+def _config(optimizer, stage, mesh, precision="fp32", vote=None, scalar_algorithm="adamw"):
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 10**6,
               "zero_optimization": {"stage": stage},
               "optimizer": {"type": optimizer, "params": {**PARAMS[optimizer], **({"vote": vote} if vote else {})}}}
-    if mesh:
-        config["shardopt"] = {"mesh": mesh}
+    config["shardopt"] = {"scalar_algorithm": scalar_algorithm, **({"mesh": mesh} if mesh else {})}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     return config
 
 
-def _run(optimizer, stage, mesh, precision="fp32", vote=None):
-    engine, *_ = sds.initialize(model=_model(), config=_config(optimizer, stage, mesh, precision, vote))
+def _run(optimizer, stage, mesh, precision="fp32", vote=None, scalar_algorithm="adamw"):
+    engine, *_ = sds.initialize(model=_model(), config=_config(optimizer, stage, mesh, precision, vote, scalar_algorithm))
     ours = sds.shard_optimizer(engine)
     x, y = _data()
     losses = []
@@ -153,7 +153,7 @@ def test_zero_1_and_2_on_2_nodes_x_2_partition_state_keep_bytes_and_follow_stage
 
 def _bf16_stage2_and_checkpoint(directory):
     _env()
-    run = _run("SignMuon", 2, MESH, precision="bf16")
+    run = _run("SignMuon", 2, MESH, precision="bf16", scalar_algorithm="lion")   # biases: Lion's 1-bit vote
     engine, *_ = sds.initialize(model=_model(), config=_config("Dion", 1, MESH))
     try:
         engine.save_checkpoint(directory)
@@ -163,7 +163,7 @@ def _bf16_stage2_and_checkpoint(directory):
     return run["identical"], run["consistent"], run["losses"], message
 
 
-def test_bf16_at_stage_2_trains_with_identical_replicas_and_checkpoints_are_refused(pool, tmp_path):
+def test_bf16_at_stage_2_with_lion_trains_with_identical_replicas_and_checkpoints_are_refused(pool, tmp_path):
     for identical, consistent, losses, message in pool.run(_bf16_stage2_and_checkpoint, str(tmp_path),
                                                           timeout_s=TIMEOUT_S):
         assert identical and consistent
