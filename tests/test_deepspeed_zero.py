@@ -5,8 +5,9 @@
 - per-rank optimizer state ≤ 0.6× stage 0's, replicate-axis bytes per step ≤ 1.1× stage 0's (stage 0
   with every rank a replica, the plugin's default), all four ranks' weights bitwise identical, loss down;
 - the shard-axis bytes equal the reduce-scatter + all-gather formulas;
-- bf16 at stage 2 (non-matrix params on Lion's vote) trains with identical replicas; engine checkpoints at
-  stage 1/2 are refused clearly.
+- bf16 at stage 2 (non-matrix params on Lion's vote) trains with identical replicas; stage 1 through
+  client_optimizer + attach (code that calls deepspeed.initialize itself) equals initialize's; engine
+  checkpoints at stage 1/2 are refused clearly.
 """
 
 import os
@@ -151,21 +152,33 @@ def test_zero_1_and_2_on_2_nodes_x_2_partition_state_keep_bytes_and_follow_stage
         assert mesh0["identical"] and base["identical"]
 
 
-def _bf16_stage2_and_checkpoint(directory):
+def _bf16_stage2_client_path_and_checkpoint(directory):
     _env()
     run = _run("SignMuon", 2, MESH, precision="bf16", scalar_algorithm="lion")   # biases: Lion's 1-bit vote
-    engine, *_ = sds.initialize(model=_model(), config=_config("Dion", 1, MESH))
+    config = _config("Dion", 1, MESH)
+    engine, *_ = sds.initialize(model=_model(), config=config)
+    model = _model()       # the same at stage 1 for code that calls deepspeed.initialize itself
+    client, *_ = deepspeed.initialize(model=model, optimizer=sds.client_optimizer(model, config),
+                                      config=sds.engine_config(config))
+    sds.attach(client)
+    x, y = _data()
+    for each in (engine, client):
+        for micro in range(2):
+            each.backward(((each(x[4 * micro:4 * micro + 4]) - y[4 * micro:4 * micro + 4]) ** 2).mean())
+            each.step()
+    same = all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), client.module.parameters()))
     try:
         engine.save_checkpoint(directory)
         message = None
     except NotImplementedError as error:
         message = str(error)
-    return run["identical"], run["consistent"], run["losses"], message
+    return run["identical"], run["consistent"], run["losses"], same, sds.shard_optimizer(client).zero.stage, message
 
 
-def test_bf16_at_stage_2_with_lion_trains_with_identical_replicas_and_checkpoints_are_refused(pool, tmp_path):
-    for identical, consistent, losses, message in pool.run(_bf16_stage2_and_checkpoint, str(tmp_path),
-                                                          timeout_s=TIMEOUT_S):
+def test_bf16_stage_2_with_lion_trains_identically_client_path_matches_and_checkpoints_are_refused(pool, tmp_path):
+    for identical, consistent, losses, same, client_stage, message in pool.run(
+            _bf16_stage2_client_path_and_checkpoint, str(tmp_path), timeout_s=TIMEOUT_S):
         assert identical and consistent
         assert losses[-1] < 0.8 * losses[0], losses
+        assert same and client_stage == 1
         assert "ZeRO stage 1/2" in message and "checkpoint at stage 0" in message
