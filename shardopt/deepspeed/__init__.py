@@ -63,8 +63,8 @@ What the plugin changes in the engine, and why:
   engine.skipped_steps counts it and the LR scheduler does not advance, as under fp16.
 - Checkpoints: `engine.save_checkpoint` first averages the replicas' decoupled
   momenta (DESIGN §6), so the one optimizer state DeepSpeed writes (data-parallel
-  rank 0) holds for every replica. At ZeRO 1/2 engine checkpoints are refused
-  (rank 0 holds only its partition).
+  rank 0) holds for every replica. At ZeRO 1/2 every rank also writes and reads
+  its own partition next to DeepSpeed's files (engine.py).
 
 DeepSpeed's LR schedulers act on the optimizer's param groups. WarmupLR,
 WarmupDecayLR, OneCycle and LRRangeTest set absolute learning rates; when the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
+import os
 
 import torch
 
@@ -157,7 +158,44 @@ def wire(engine, optimizer: ShardOptimizer) -> None:
         wrapper.checkpoint_event_prologue = optimizer.checkpoint_event_prologue
         optimizer._wrapper = wrapper
     _wrap_backward(engine, optimizer, model_params)
+    if optimizer.zero is not None and optimizer.zero.stage >= 1:
+        _wrap_checkpoints(engine, optimizer)
     optimizer._inert = False
+
+
+def _wrap_checkpoints(engine, optimizer) -> None:
+    """ZeRO 1/2: DeepSpeed (given stage 0) writes the optimizer state of data-parallel rank 0 only, one
+    partition. engine.save_checkpoint here also writes every rank's own state (its partition, momenta
+    averaged over the replicas first) as <dir>/<tag>/shardopt_zero_rank<rank>.safetensors, and
+    engine.load_checkpoint reads it back, so a resumed run continues the saving run's trajectory. The
+    same world size and mesh are needed to load (the file of each rank holds that rank's partition)."""
+    from ..checkpoint import load_optimizer_state, save_optimizer_state
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+    save_signature = inspect.signature(internals.unwrapped(type(engine).save_checkpoint))
+
+    def own_file(directory) -> str:
+        return os.path.join(directory, f"shardopt_zero_rank{torch.distributed.get_rank()}.safetensors")
+
+    def save_checkpoint(save_dir, *args, **kwargs):
+        tag = save_signature.bind(engine, save_dir, *args, **kwargs).arguments.get("tag")
+        tag = f"global_step{engine.global_steps}" if tag is None else tag   # DeepSpeed's default tag
+        result = save(save_dir, *args, **kwargs)
+        save_optimizer_state(optimizer, own_file(os.path.join(save_dir, str(tag))))
+        torch.distributed.barrier()
+        return result
+
+    def load_checkpoint(load_dir, *args, **kwargs):
+        path, client_state = load(load_dir, *args, **kwargs)
+        if path is not None:
+            own = own_file(os.path.dirname(path))
+            if not os.path.exists(own):
+                raise FileNotFoundError(f"{own} not found: the checkpoint was not written by shardopt at ZeRO stage "
+                                        f"1/2 with this world size ({torch.distributed.get_world_size()} ranks)")
+            load_optimizer_state(optimizer, own)
+        return path, client_state
+
+    save_checkpoint.__doc__, load_checkpoint.__doc__ = save.__doc__, load.__doc__
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
 
 
 def _wrap_backward(engine, optimizer, model_params: list[torch.Tensor]) -> None:

@@ -15,6 +15,7 @@ are still checked).
 | `engine.torch_autocast_z0_gradscaler` | refused (a per-rank GradScaler) |
 | `engine.has_moe_layers` | MoE expert params refused |
 | `engine.destroy()` | orderly shutdown |
+| `engine.save_checkpoint(save_dir, tag)` default tag `global_step<N>`, `load_checkpoint` returning `(<dir>/<tag>/<file>, client_state)` | ZeRO 1/2: each rank's own state file next to DeepSpeed's |
 | `FP16_UnfusedOptimizer.fp16_groups / fp32_groups` | master copies that replace the params in the groups |
 | `FP16_UnfusedOptimizer.overflow_checker.check()` | replaced by a check agreed over the replicas |
 | `FP16_UnfusedOptimizer.initialize_optimizer_states` | its step on zero gradients is a no-op here |

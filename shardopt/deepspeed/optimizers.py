@@ -104,11 +104,6 @@ class _EngineSide:
 
     def checkpoint_event_prologue(self) -> None:
         """Called by engine.save_checkpoint on every rank before the state is gathered."""
-        if self.zero is not None and self.zero.stage >= 1:
-            raise NotImplementedError("engine.save_checkpoint with shardopt at ZeRO stage 1/2: DeepSpeed writes the "
-                                      "optimizer state of data-parallel rank 0 only, which holds its own partition; "
-                                      "checkpoint at stage 0, or save shard_optimizer(engine).state_dict() on every "
-                                      "rank yourself")
         self.synchronize_for_checkpoint()
 
     def comm_stats(self) -> dict:
