@@ -325,6 +325,12 @@ def test_zero_stage_3_and_offload_raise_a_clear_error_pointing_to_fsdp2(optimize
             "stage": 2, "offload_optimizer": {"device": "cpu"}}))
 
 
+@pytest.mark.parametrize("mesh", [{"replicate": 2}, {"replicate": 2, "shard": 0}, {"replicate": 1.5, "shard": 2}, [2, 2]])
+def test_a_malformed_mesh_raises_naming_the_section(mesh):
+    with pytest.raises(ValueError, match=r"\"shardopt\": \{\"mesh\": ...\} must be \{\"replicate\": R, \"shard\": S\}"):
+        sds.initialize(model=_model(), config=_config("Dion", zero_optimization={"stage": 1}, shardopt={"mesh": mesh}))
+
+
 def test_fp16_on_a_device_without_fp16_raises_naming_bf16(monkeypatch):
     """The accelerator's own capability check (CPU: mkldnn fp16) decides, before any engine is built."""
     monkeypatch.setattr(type(deepspeed.accelerator.get_accelerator()), "is_fp16_supported", lambda self: False)

@@ -207,3 +207,17 @@ def test_engine_checkpoint_at_zero_stage_resumes_on_the_same_trajectory(pool, tm
         assert loaded and own_file
         assert diff == 0
         assert owned_state == saving_state    # only this rank's partition
+
+
+def _mesh_of_the_wrong_size():
+    _env()
+    try:
+        sds.initialize(model=_model(), config=_config("Dion", 1, {"replicate": 3, "shard": 2}))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_a_mesh_that_does_not_cover_the_world_raises_on_every_rank(pool):
+    for message in pool.run(_mesh_of_the_wrong_size, timeout_s=TIMEOUT_S):
+        assert message and "replicate=3 × shard=2 = 6 ranks, but the world has 4" in message
