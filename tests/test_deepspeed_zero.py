@@ -118,6 +118,7 @@ def _stages(optimizer, vote):
         zero = run.pop("zero")
         run["owned_elements"] = sum(zero.sizes[i] for i in range(len(zero.sizes)) if zero.owns(i)) if zero else None
         run["chunk"] = zero.chunk if zero else None
+        run["all_elements"] = sum(zero.sizes) if zero else None
     return runs
 
 
@@ -146,13 +147,15 @@ def test_zero_1_and_2_on_2_nodes_x_2_partition_state_keep_bytes_and_follow_stage
             if vote is None or (vote != "auto" and stage == "stage1"):
                 assert run["diff"] <= 1e-5
                 assert abs(run["grad_norm"] - mesh0["grad_norm"]) <= 1e-4 * mesh0["grad_norm"]
-        # shard axis per step: fp32 reduce-scatter of 2 chunks (once at stage 1, per micro-batch at stage 2),
-        # all-gather of this rank's chunk, and the agreed flag and gradient norm (4-byte all-reduces)
-        chunk = runs["stage1"]["chunk"]
+        # shard axis per step: stage 1 an fp32 reduce-scatter of 2 chunks at the step, stage 2 every gradient
+        # this rank does not own sent to its owner in fp32 in each of the 2 backwards; the all-gather of this
+        # rank's chunk, and the agreed flag and gradient norm (4-byte all-reduces)
+        one = runs["stage1"]
         small = 2 * collective_bytes("all_reduce", 4, 2)
-        reduce_scatter, all_gather = collective_bytes("reduce_scatter", 8 * chunk, 2), collective_bytes("all_gather", 4 * chunk, 2)
-        assert runs["stage1"]["shard_per_step"] == reduce_scatter + all_gather + small
-        assert runs["stage2"]["shard_per_step"] == 2 * reduce_scatter + all_gather + small
+        all_gather = collective_bytes("all_gather", 4 * one["chunk"], 2)
+        assert one["shard_per_step"] == collective_bytes("reduce_scatter", 8 * one["chunk"], 2) + all_gather + small
+        sent_to_owners = 2 * 4 * (one["all_elements"] - one["owned_elements"])
+        assert runs["stage2"]["shard_per_step"] == sent_to_owners + all_gather + small
         assert mesh0["identical"] and base["identical"]
 
 
@@ -221,3 +224,25 @@ def _mesh_of_the_wrong_size():
 def test_a_mesh_that_does_not_cover_the_world_raises_on_every_rank(pool):
     for message in pool.run(_mesh_of_the_wrong_size, timeout_s=TIMEOUT_S):
         assert message and "replicate=3 × shard=2 = 6 ranks, but the world has 4" in message
+
+
+def _gradients_held_during_backward():
+    _env()
+    config = _config("Dion", 2, MESH)
+    config["zero_optimization"]["reduce_bucket_size"] = 1     # wait for each gradient's reduce at once
+    engine, *_ = sds.initialize(model=_model(), config=config)
+    ours = sds.shard_optimizer(engine)
+    params = list(engine.module.parameters())
+    owned = [ours.zero.owns(slot) for slot in range(len(params))]
+    held_not_owned = []    # after each gradient is accumulated (the plugin's hook runs first)
+    for param in params:
+        param.register_post_accumulate_grad_hook(lambda _: held_not_owned.append(
+            sum(p.grad.numel() for p, mine in zip(params, owned) if p.grad is not None and not mine)))
+    _steps(engine, 2)
+    return max(held_not_owned), len(held_not_owned), ours.replicas_consistent()
+
+
+def test_zero_2_holds_no_gradient_it_does_not_own_during_backward(pool):
+    for held, hook_calls, consistent in pool.run(_gradients_held_during_backward, timeout_s=TIMEOUT_S):
+        assert hook_calls == 2 * 2 * len(list(_model().parameters()))    # 2 steps × 2 micro-batches
+        assert held == 0 and consistent

@@ -39,7 +39,7 @@ What the plugin changes in the engine, and why:
   optimizer's step does the compressed exchange once per accumulated batch.
 - ZeRO: DeepSpeed's ZeRO 1/2 optimizers flatten the gradients and average them
   themselves, so DeepSpeed is given stage 0 and shardopt runs stages 1/2
-  (zero.py): state partitioned over the ranks of a node, gradients reduce-scattered
+  (zero.py): state partitioned over the ranks of a node, gradients reduced to their owners
   inside the node at full precision, only the compressed exchange across nodes,
   weights all-gathered inside the node. Stage 3 is refused: it partitions the
   weights too, which is shardopt's FSDP2 HSDP path (fully_shard + replicate_mesh /

@@ -24,6 +24,7 @@ ABSOLUTE_LR_SCHEDULERS = {
     "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
     "LRRangeTest": ("lr_range_test_min_lr",),
 }
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000   # elements, DeepSpeed's default: the stage-2 gradients in flight
 FSDP2_HINT = ("use shardopt with FSDP2 HSDP instead: fully_shard(model, mesh=mesh['shard']) and "
               "{name}(..., replicate_mesh=mesh['replicate'], shard_mesh=mesh['shard']) shard weights, gradients and "
               "optimizer state inside a node and send only the compressed exchange across nodes "
@@ -42,6 +43,7 @@ class Plan:
     section: dict
     max_grad_norm: float
     zero_stage: int
+    reduce_bucket_size: int
     mesh: tuple[int, int] | None
     scheduler: dict | None = None
     engine_config: dict = field(default_factory=dict)
@@ -91,7 +93,15 @@ def plan(config: dict, model=None, mpu=None, *, fp16_supported=None) -> Plan | N
     engine_config.pop("shardopt", None)
     return Plan(cls=cls, name=name, options=_optimizer_options(cls, optimizer_config.get("params") or {}, name),
                 section=section, max_grad_norm=config.get("gradient_clipping", 0.0) or 0.0, zero_stage=stage,
+                reduce_bucket_size=_positive_int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE),
+                                                 "zero_optimization.reduce_bucket_size"),
                 mesh=_mesh(section.get("mesh"), stage), scheduler=config.get("scheduler"), engine_config=engine_config)
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or value != int(value):
+        raise ValueError(f"{name} must be a positive integer (elements), got {value!r}")
+    return int(value)
 
 
 def _check_supported(config: dict, zero: dict, stage: int, model, mpu, name: str, fp16_supported) -> None:

@@ -15,7 +15,7 @@ from ..optimizer import ShardOptimizer
 from . import internals
 from .config import Plan, build_param_groups, check_scheduler, load_config, plan, read_config
 from .optimizers import AgreedOverflowCheck
-from .zero import mesh_shape
+from .zero import BackwardReducer, mesh_shape
 
 
 def initialize(*args, **kwargs):
@@ -125,7 +125,8 @@ def _build(the_plan: Plan, model, model_parameters, check_lr_scheduler: bool) ->
     mesh = mesh_shape(the_plan.mesh, the_plan.zero_stage, torch.distributed.get_world_size())
     replicate, node = split_world(*mesh) if mesh else (deepspeed_groups._get_data_parallel_group(), None)
     optimizer = the_plan.cls(groups, **the_plan.options, max_grad_norm=the_plan.max_grad_norm,
-                             zero_stage=the_plan.zero_stage, node_mesh=node, replicate_mesh=replicate)
+                             zero_stage=the_plan.zero_stage, reduce_bucket_size=the_plan.reduce_bucket_size,
+                             node_mesh=node, replicate_mesh=replicate)
     if check_lr_scheduler:
         check_scheduler(the_plan.scheduler, optimizer.param_groups)
     if the_plan.section.get("verbose") and torch.distributed.get_rank() == 0:
@@ -204,11 +205,13 @@ def _wrap_backward(engine, optimizer, model_params: list[torch.Tensor]) -> None:
       (deepspeedai/DeepSpeed#8393): the gradient entering the loss is set to loss_scale /
       gradient_accumulation_steps (loss_scale without scale_wrt_gas), whatever the engine multiplies
       the loss by, as DeepSpeed's fp16 wrapper expects when it unscales in step.
-    - ZeRO stage 2: after each backward the fresh local gradients are reduce-scattered over the node
-      and added to the owned gradients kept from earlier micro-batches; the others are dropped."""
+    - ZeRO stage 2: during backward each fresh local gradient goes to its owner (zero.BackwardReducer);
+      after it the owned node means are added to the owned gradients kept from earlier micro-batches."""
     fp16 = engine.fp16_enabled()
-    zero = optimizer.zero if optimizer.zero is not None and optimizer.zero.stage == 2 else None
-    if not fp16 and zero is None:
+    reducer = None
+    if optimizer.zero is not None and optimizer.zero.stage == 2:
+        reducer = BackwardReducer(optimizer.zero, model_params, optimizer.reduce_bucket_size)
+    if not fp16 and reducer is None:
         return
     original = engine.backward
     signature = inspect.signature(internals.unwrapped(type(engine).backward))
@@ -220,18 +223,21 @@ def _wrap_backward(engine, optimizer, model_params: list[torch.Tensor]) -> None:
             factor = engine.optimizer.loss_scale / (engine.gradient_accumulation_steps() if scale_wrt_gas else 1)
             handle = loss.register_hook(lambda grad: torch.full_like(grad, factor))
         kept = [p.grad for p in model_params]
-        if zero is not None:
+        if reducer is not None:
             for param in model_params:
                 param.grad = None
+            reducer.begin()
         try:
             result = original(loss, *args, **kwargs)
         finally:
             if handle is not None:
                 handle.remove()
-        if zero is not None:
-            fresh = zero.reduce_gradients([p.grad for p in model_params], model_params)
-            for param, old, new in zip(model_params, kept, fresh):
-                param.grad = new if old is None or new is None else old.add_(new)
+            fresh = reducer.end() if reducer is not None else None
+        if reducer is not None:
+            for slot, (param, old) in enumerate(zip(model_params, kept)):
+                new = fresh.get(slot)
+                new = None if new is None else new.view(param.shape).to(param.dtype)
+                param.grad = new if old is None else old if new is None else old.add_(new)
         return result
 
     backward.__doc__ = original.__doc__

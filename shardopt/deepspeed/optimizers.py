@@ -17,6 +17,7 @@ class _EngineSide:
     max_grad_norm: clip every replica's gradient by the same factor; 0 turns clipping off.
     zero_stage, node_mesh: ZeRO stage (0, 1, 2) and the process group of this rank's node (the shard
         axis of zero.py); node_mesh=None: no shard axis (stage 0, every data-parallel rank a replica).
+    reduce_bucket_size: stage 2, the most elements of gradients in flight to their owners during backward.
 
     Global gradient norm (clipping, and engine.get_global_grad_norm() for logging), every step:
         ν = mean over replicas of ‖g_replica‖₂, ‖g_replica‖₂² = Σ over the node's ranks of ‖owned g_node‖²
@@ -26,12 +27,14 @@ class _EngineSide:
     of one float per axis, no host sync.
     """
 
-    def __init__(self, params, *args, max_grad_norm: float = 0.0, zero_stage: int = 0, node_mesh=None, **kwargs):
+    def __init__(self, params, *args, max_grad_norm: float = 0.0, zero_stage: int = 0,
+                 reduce_bucket_size: int = 500_000_000, node_mesh=None, **kwargs):
         if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm >= 0):
             raise ValueError(f"Invalid gradient_clipping: {max_grad_norm!r}; it must be a number ≥ 0")
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r}; shardopt runs ZeRO stages 0, 1 and 2")
         self.max_grad_norm = float(max_grad_norm)
+        self.reduce_bucket_size = reduce_bucket_size
         self._global_grad_norm = None
         self.overflow = False       # read by the engine: a skipped step does not advance the LR scheduler
         self._inert = True          # until the engine is wired (engine.wire): see step()

@@ -13,16 +13,19 @@ microsoft/dion gives each rank whole matrices to orthogonalize. One optimizer st
                                        owned params on every node), state only for owned params
     X                                  all-gather over the shard axis: every rank's weights again
 
-Stage 1 reduce-scatters at the step and keeps the full local gradient during accumulation; stage 2
-reduce-scatters after every backward and keeps only the owned gradients between backwards (the
-full local gradient of one micro-batch exists during its backward). Stage 0 with a mesh: an
-all-reduce over the shard axis, every rank keeps all state. Per-rank state ≈ 1/S of stage 0's
+Stage 1 reduce-scatters at the step and keeps the full local gradient during accumulation. Stage 2
+(`BackwardReducer`) sends each gradient to its owner as soon as backward has accumulated it, drops
+it on the other ranks, and keeps only the owned gradients: at most `reduce_bucket_size` elements
+of others' gradients are in flight. Stage 0 with a mesh: an all-reduce over the shard axis, every
+rank keeps all state. Per-rank state ≈ 1/S of stage 0's
 (plus the imbalance of whole tensors); per-rank replicate bytes ≈ 1/S of stage 0's.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections import deque
 
 import torch
 
@@ -122,3 +125,48 @@ class ZeroPartition:
         for i, param in enumerate(params):
             if not self.owns(i):
                 param.copy_(gathered[self.offsets[i]:self.offsets[i] + self.sizes[i]].view(param.shape))
+
+
+class BackwardReducer:
+    """ZeRO stage 2 during backward: when backward has accumulated a parameter's gradient (a
+    post-accumulate-grad hook), the gradient (in fp32, fp64 if it is fp64) is reduced to its owner over
+    the shard axis and dropped on this rank unless it owns it; when more than `cap_elements` are in
+    flight the oldest reduce is waited for. `end()` returns the owned slots' node means (1/S)·Σ_node.
+    Every rank runs the same backward graph, so the reduces are issued in the same order everywhere."""
+
+    def __init__(self, partition: ZeroPartition, params: list[torch.Tensor], cap_elements: int):
+        self.partition, self.cap = partition, int(cap_elements)
+        self.active, self.pending, self.in_flight, self.results = False, deque(), 0, {}
+        for slot, param in enumerate(params):
+            param.register_post_accumulate_grad_hook(functools.partial(self._ready, slot))
+
+    def begin(self) -> None:
+        self.active = True
+
+    @torch.no_grad()
+    def _ready(self, slot: int, param: torch.Tensor) -> None:
+        if not self.active:
+            return
+        grad = param.grad
+        buffer = grad.to(torch.float64 if grad.dtype == torch.float64 else torch.float32)
+        param.grad = None
+        owner = self.partition.owners[slot]
+        self.pending.append((slot, buffer, self.partition.shard.reduce(buffer, owner, async_op=True)))
+        self.in_flight += buffer.numel()
+        while self.in_flight > self.cap and self.pending:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        slot, buffer, pending = self.pending.popleft()
+        pending.wait()
+        self.in_flight -= buffer.numel()
+        if self.partition.owns(slot):
+            self.results[slot] = buffer.div_(self.partition.shard.size)
+
+    def end(self) -> dict[int, torch.Tensor]:
+        """Wait for the reduces in flight; {owned slot: its node-mean gradient of this backward}."""
+        while self.pending:
+            self._complete_oldest()
+        self.active = False
+        results, self.results = self.results, {}
+        return results
