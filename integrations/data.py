@@ -140,9 +140,18 @@ def data_dir(cache: Path, tokenizer: str) -> Path:
     return cache / ("shakespeare" if tokenizer == "byte" else f"shakespeare-bpe{BPE_VOCAB}")
 
 
+def read_meta(data_dir: Path) -> dict:
+    """meta.json of prepared data: at least "vocab_size" and "dtype" (the token type of the .bin files)."""
+    path = Path(data_dir) / "meta.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found; prepare the data first: python integrations/data.py "
+                                f"[--tokenizer bpe] (a hand-made corpus needs a meta.json with vocab_size and dtype)")
+    return json.loads(path.read_text())
+
+
 def vocab_size(data_dir: Path) -> int:
-    """The vocabulary size of the prepared data in `data_dir` (from its meta.json)."""
-    return json.loads((Path(data_dir) / "meta.json").read_text())["vocab_size"]
+    """The vocabulary size of the prepared data in `data_dir`."""
+    return read_meta(data_dir)["vocab_size"]
 
 
 def load(data_dir: Path, split: str) -> torch.Tensor:
@@ -151,8 +160,7 @@ def load(data_dir: Path, split: str) -> torch.Tensor:
     if not path.exists():
         raise FileNotFoundError(f"{path} not found; prepare the data first: python integrations/data.py "
                                 f"[--tokenizer bpe] (launch/demo.sh does this)")
-    dtype = json.loads((Path(data_dir) / "meta.json").read_text()).get("dtype", "uint8")
-    return torch.frombuffer(bytearray(path.read_bytes()), dtype=getattr(torch, dtype))
+    return torch.frombuffer(bytearray(path.read_bytes()), dtype=getattr(torch, read_meta(data_dir)["dtype"]))
 
 
 def get_batch(tokens: torch.Tensor, batch_size: int, block_size: int, seed: int, step: int, rank: int,

@@ -7,37 +7,41 @@ vs Lion (1-bit majority vote) for the embeddings, norms and tied head, under Dio
 The GPT of integrations/fsdp/train.py on BPE-4096 Shakespeare (the tied embedding/head is 40 % of
 its 1.3 M parameters), 2 replicas × 2 FSDP2 shards, equal steps and tokens for every run. Protocol:
 three scalar learning rates per (matrix optimizer, scalar algorithm) at seed 0; the best of them
-(lowest final val loss) is run again at seed 1; the table reports the best lr's mean over the two
-seeds and Lion's ratio to AdamW. Every run's row goes to results/scalar_quality.csv (all lrs,
-seeds), the summary to stdout. Rerun a smaller version with --steps 50.
+(lowest final val loss) is run again at seed 1; results/scalar_quality.csv reports per (matrix
+optimizer, scalar algorithm) every lr's seed-0 loss, the best lr's two seeds, their mean and the
+ratio to AdamW's mean. A finished run in runs/scalar_quality/ is reused (an interrupted sweep resumes).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCALAR_LRS = {"adamw": (1e-3, 3e-3, 1e-2), "lion": (1e-4, 3e-4, 1e-3)}
+SCALAR_LRS = {"adamw": (3e-3, 1e-2, 3e-2), "lion": (1e-3, 3e-3, 1e-2)}
 MATRIX = ("signmuon", "dion")
 
 
-def run(args, optimizer: str, scalar: str, lr: float, seed: int, rows_csv: Path) -> dict:
-    out = args.out / f"{optimizer}-{scalar}-{lr:g}-s{seed}"
+def run(args, optimizer: str, scalar: str, lr: float, seed: int) -> dict:
+    """One training run's summary (train.py's summary.json); a finished run of the same settings in
+    --out is reused, so an interrupted sweep resumes."""
+    out = args.out / f"{optimizer}-{scalar}-{lr:g}-s{seed}-{args.steps}x{args.batch_size}"
+    if (out / "summary.json").exists():
+        return json.loads((out / "summary.json").read_text())
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                str(ROOT / "integrations/fsdp/train.py"), "--replicate", "2", "--shard", "2", "--optimizer", optimizer,
                "--scalar-algorithm", scalar, "--scalar-lr", str(lr), "--seed", str(seed), "--tokenizer", "bpe",
                "--rank-fraction", "0.25", "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--eval-every", str(args.steps), "--eval-batches", "16", "--log-every", str(args.steps),
-               "--check-replicas-every", str(args.steps), "--out-dir", str(out), "--summary-csv", str(rows_csv)]
+               "--check-replicas-every", str(args.steps), "--out-dir", str(out)]
     print(f"== {optimizer} + {scalar} (lr {lr:g}), seed {seed}", flush=True)
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
-    with rows_csv.open() as f:
-        return list(csv.DictReader(f))[-1]
+    return json.loads((out / "summary.json").read_text())
 
 
 def main() -> None:
@@ -48,35 +52,27 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, default=ROOT / "results/scalar_quality.csv")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    rows_csv = args.out / "runs.csv"
-    rows_csv.unlink(missing_ok=True)
     summary = []
     for optimizer in MATRIX:
         best = {}
         for scalar, lrs in SCALAR_LRS.items():
-            losses = {lr: float(run(args, optimizer, scalar, lr, 0, rows_csv)["final_val_loss"]) for lr in lrs}
-            lr = min(losses, key=losses.get)
-            second = float(run(args, optimizer, scalar, lr, 1, rows_csv)["final_val_loss"])
-            best[scalar] = (lr, (losses[lr] + second) / 2, losses[lr], second)
-        for scalar, (lr, mean, first, second) in best.items():
-            summary.append({"matrix_optimizer": optimizer, "scalar_algorithm": scalar, "best_scalar_lr": lr,
+            runs = {lr: run(args, optimizer, scalar, lr, 0) for lr in lrs}
+            lr = min(runs, key=lambda lr: runs[lr]["final_val_loss"])
+            first, second = runs[lr]["final_val_loss"], run(args, optimizer, scalar, lr, 1)["final_val_loss"]
+            best[scalar] = {"matrix_optimizer": optimizer, "scalar_algorithm": scalar, "best_scalar_lr": lr,
                             "val_loss_seed0": round(first, 4), "val_loss_seed1": round(second, 4),
-                            "mean_val_loss": round(mean, 4),
-                            "vs_adamw": round(mean / best["adamw"][1], 4)})
-    with rows_csv.open() as f:
-        rows = list(csv.DictReader(f))
+                            "mean_val_loss": round((first + second) / 2, 4), "steps": runs[lr]["steps"],
+                            "tokens": runs[lr]["tokens"], "replicate_bytes_per_step": runs[lr]["replicate_bytes_per_step"],
+                            "lrs_tried": " ".join(f"{lr:g}:{r['final_val_loss']:.4f}" for lr, r in runs.items())}
+        for row in best.values():
+            summary.append(row | {"vs_adamw": round(row["mean_val_loss"] / best["adamw"]["mean_val_loss"], 4)})
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, list(summary[0]) + ["steps", "tokens", "replicate_bytes_per_step", "lrs_tried"])
+        writer = csv.DictWriter(f, list(summary[0]))
         writer.writeheader()
-        for row in summary:
-            runs = [r for r in rows if r["optimizer"] == row["matrix_optimizer"] and r["scalar_algorithm"] == row["scalar_algorithm"]]
-            writer.writerow(row | {"steps": runs[0]["steps"], "tokens": runs[0]["tokens"],
-                                   "replicate_bytes_per_step": runs[0]["replicate_bytes_per_step"],
-                                   "lrs_tried": " ".join(f"{float(r['scalar_lr']):g}:{float(r['final_val_loss']):.4f}"
-                                                         for r in runs if r["seed"] == "0")})
+        writer.writerows(summary)
     print(args.csv.read_text())
-    print(f"all runs: {rows_csv}; rerun: python launch/bench_scalar_quality.py --steps {args.steps}")
+    print(f"runs in {args.out}; rerun: python launch/bench_scalar_quality.py --steps {args.steps}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     python launch/results_table.py                       # print the tables of results/*.csv
     python launch/results_table.py results/demo.csv      # print one
-    python launch/results_table.py --readme README.md    # rewrite the README's results section
+    python launch/results_table.py --readme README.md    # rewrite the README's results section (and the
+                                                         # opening table, from results/comm.csv)
 
 results/demo.csv (launch/demo.sh; one row per run as integrations/fsdp/train.py --summary-csv
 writes them) becomes the table of final val loss, replicate-axis bytes per step and wall time;
@@ -20,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin (results/comm.csv) -->", "<!-- headline:end -->"
 
 
 def human_bytes(count: float) -> str:
@@ -71,6 +73,26 @@ def comm_table(rows: list[dict], replicas: int = 8) -> str:
     return "\n".join(lines)
 
 
+HEADLINE_CASES = [("sign-muon", "lion", "Sign-Muon + Lion-vote"), ("dion 1/16 bf16", "lion", "Dion 1/16 (bf16 factors) + Lion-vote"),
+                  ("dion 1/4 bf16", "lion", "Dion 1/4 (bf16 factors) + Lion-vote"),
+                  ("sign-muon", "adamw", "Sign-Muon + AdamW mean for the rest")]
+HEADLINE_MODELS = ("GPT-2 small", "Llama-3-8B shapes")
+
+
+def headline_table(rows: list[dict], replicas: int = 8) -> str:
+    """The README's opening table: whole-model ratios to DDP fp32 (and bf16) for two models."""
+    lines = ["| whole model, " + f"{replicas} replicas | " + " | ".join(HEADLINE_MODELS) + " |",
+             "|---|" + "---:|" * len(HEADLINE_MODELS)]
+    for method, scalar, name in HEADLINE_CASES:
+        cells = []
+        for model in HEADLINE_MODELS:
+            row = next(r for r in rows if (r["model"], r["method"], r["scalar"], int(r["replicas"])) ==
+                       (model, method, scalar, replicas))
+            cells.append(f"1/{float(row['vs_ddp_fp32']):.1f} of DDP fp32 (1/{float(row['vs_ddp_bf16']):.1f} of DDP bf16)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plain_table(rows: list[dict]) -> str:
     columns = list(rows[0]) if rows else []
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -90,7 +112,9 @@ def tables(paths: list[Path]) -> str:
     return "\n\n".join(parts)
 
 
-def rewrite_readme(readme: Path, text: str) -> None:
+def rewrite_readme(readme: Path, text: str, headline: str | None = None) -> None:
+    """Put `text` between the results markers and, where the README has the headline markers and
+    results/comm.csv exists, `headline` between those."""
     content = readme.read_text()
     block = f"{BEGIN}\n{text}\n{END}"
     if BEGIN in content and END in content:
@@ -99,6 +123,10 @@ def rewrite_readme(readme: Path, text: str) -> None:
         content = re.sub(r"^RESULTS_TABLE$", lambda _: block, content, count=1, flags=re.M)
     else:
         raise SystemExit(f"{readme}: no {BEGIN} … {END} block and no RESULTS_TABLE line to put the tables in")
+    if headline is not None and HEADLINE_BEGIN in content and HEADLINE_END in content:
+        block = f"{HEADLINE_BEGIN}\n{headline}\n{HEADLINE_END}"
+        content = re.sub(re.escape(HEADLINE_BEGIN) + ".*?" + re.escape(HEADLINE_END), lambda _: block, content,
+                         count=1, flags=re.S)
     temporary = readme.with_suffix(readme.suffix + ".tmp")
     temporary.write_text(content)
     temporary.replace(readme)
@@ -112,7 +140,9 @@ def main() -> None:
     paths = [p.resolve() for p in args.csv] or sorted((ROOT / "results").glob("*.csv"), key=lambda p: (p.name != "demo.csv", p.name))
     text = tables(paths)
     if args.readme:
-        rewrite_readme(args.readme, text)
+        comm = ROOT / "results" / "comm.csv"
+        headline = headline_table(list(csv.DictReader(comm.open()))) if comm.exists() else None
+        rewrite_readme(args.readme, text, headline)
         print(f"wrote the tables of {len(paths)} CSV file(s) into {args.readme}")
     else:
         print(text)

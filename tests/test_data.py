@@ -65,3 +65,20 @@ def test_batches_depend_only_on_seed_step_rank():
 def test_load_without_prepared_data_says_how_to_prepare(tmp_path):
     with pytest.raises(FileNotFoundError, match="integrations/data.py"):
         data.load(tmp_path, "train")
+
+
+def test_bpe_is_lossless_deterministic_and_uint16(tmp_path):
+    """Byte-level BPE learned from the train split: the ids decode back to the exact split text."""
+    tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is in the train extra (launch/env.sh installs it)")
+    expected = _fake_sdist(tmp_path / "fake.tar.gz")
+    data.prepare(tmp_path / "fake.tar.gz", tmp_path / "bytes")
+    first = data.prepare_bpe(tmp_path / "bytes", tmp_path / "one", vocab_size=300)
+    second = data.prepare_bpe(tmp_path / "bytes", tmp_path / "two", vocab_size=300)
+    assert first == second and (first["dtype"], first["tokenizer"]) == ("uint16", "bpe")
+    assert 256 < first["vocab_size"] <= 300 and data.vocab_size(tmp_path / "one") == first["vocab_size"]
+    tokenizer = tokenizers.Tokenizer.from_file(str(tmp_path / "one" / "tokenizer.json"))
+    n_train = int(0.9 * len(expected))
+    for split, text in (("train", expected[:n_train]), ("val", expected[n_train:])):
+        ids = data.load(tmp_path / "one", split)
+        assert ids.dtype == torch.uint16 and len(ids) < len(text)          # merges: fewer tokens than bytes
+        assert tokenizer.decode(ids.tolist()).encode("latin-1") == text

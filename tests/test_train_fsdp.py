@@ -23,6 +23,7 @@ def data_dir(tmp_path_factory):
     text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(2000))
     (directory / "train.bin").write_bytes(text[:90_000])
     (directory / "val.bin").write_bytes(text[90_000:])
+    (directory / "meta.json").write_text('{"vocab_size": 256, "dtype": "uint8"}')
     return directory
 
 
