@@ -246,3 +246,13 @@ def test_zero_2_holds_no_gradient_it_does_not_own_during_backward(pool):
     for held, hook_calls, consistent in pool.run(_gradients_held_during_backward, timeout_s=TIMEOUT_S):
         assert hook_calls == 2 * 2 * len(list(_model().parameters()))    # 2 steps × 2 micro-batches
         assert held == 0 and consistent
+
+
+@pytest.mark.parametrize("sizes,parts", [([1024, 1024, 1024, 512, 256, 32, 32, 8], 2), ([7, 7, 7, 7, 7], 3),
+                                         ([100], 4), ([5, 1, 1, 1, 1, 1], 2)])
+def test_owners_balance_within_the_largest_tensor_and_are_deterministic(sizes, parts):
+    from shardopt.placement import assign_owners
+    owners = assign_owners(sizes, parts)
+    loads = [sum(s for s, o in zip(sizes, owners) if o == k) for k in range(parts)]
+    assert max(loads) <= sum(sizes) / parts + max(sizes)
+    assert owners == assign_owners(list(sizes), parts) and set(owners) <= set(range(parts))
