@@ -160,8 +160,9 @@ class BackwardReducer:
         slot, buffer, pending = self.pending.popleft()
         pending.wait()
         self.in_flight -= buffer.numel()
-        if self.partition.owns(slot):
-            self.results[slot] = buffer.div_(self.partition.shard.size)
+        if self.partition.owns(slot):   # a param may be accumulated twice (reentrant checkpointing): add
+            mean = buffer.div_(self.partition.shard.size)
+            self.results[slot] = self.results[slot].add_(mean) if slot in self.results else mean
 
     def end(self) -> dict[int, torch.Tensor]:
         """Wait for the reduces in flight; {owned slot: its node-mean gradient of this backward}."""
