@@ -120,6 +120,7 @@ def main() -> None:
             writer.writeheader()
             writer.writerows(rows)
         print(f"wrote {args.csv}")
+    dist.barrier()
     shardopt.deepspeed.shutdown()
 
 

@@ -104,6 +104,7 @@ def main():
               f" ({total / (allreduce_bytes * args.steps):.3f} of an fp32 all-reduce)")
     consistent = optimizer is None or optimizer.replicas_consistent()
     del optimizer
+    dist.barrier()
     shardopt.deepspeed.shutdown(engine)                # engine, then every process group, before the interpreter exits
     if not consistent:
         raise SystemExit("replicas diverged: weights differ across data-parallel ranks")

@@ -71,6 +71,7 @@ def main():
         print(f"{type(ours).__name__} through Accelerate on {world} ranks: {sent:,} B sent on the replicate axis, "
               f"{sent / (allreduce_bytes * args.steps):.3f} of an fp32 all-reduce; replicas identical: {consistent}")
     del ours, optimizer
+    dist.barrier()
     shardopt.deepspeed.shutdown(engine)
     if not consistent:
         raise SystemExit("replicas diverged: weights differ across data-parallel ranks")

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from ..comm import split_world
 from ..groups import describe_groups
 from ..optimizer import ShardOptimizer
 from . import internals
@@ -106,12 +107,12 @@ def shard_optimizer(engine) -> ShardOptimizer:
 def shutdown(engine=None) -> None:
     """An orderly end of a DeepSpeed run: the engine's resources (engine.destroy()), then every process
     group through deepspeed.comm (which also drops DeepSpeed's references to them, so no group is
-    left to be torn down during interpreter exit), then a garbage collection."""
+    left to be torn down during interpreter exit), then a garbage collection. Call it on every rank
+    once no collective is pending (e.g. after a barrier)."""
     deepspeed = internals.load()
     if engine is not None:
         engine.destroy()
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()
         deepspeed.comm.destroy_process_group()
     gc.collect()
 
@@ -120,7 +121,6 @@ def _build(the_plan: Plan, model, model_parameters, check_lr_scheduler: bool) ->
     """The optimizer on the plan's mesh: the replicate group (DeepSpeed's data-parallel group when
     there is no mesh) and, with a mesh, this rank's node group."""
     from deepspeed.utils import groups as deepspeed_groups
-    from ..comm import split_world
     groups = build_param_groups(model, model_parameters, the_plan.cls, the_plan.section)
     mesh = mesh_shape(the_plan.mesh, the_plan.zero_stage, torch.distributed.get_world_size())
     replicate, node = split_world(*mesh) if mesh else (deepspeed_groups._get_data_parallel_group(), None)
@@ -181,8 +181,7 @@ def _wrap_checkpoints(engine, optimizer) -> None:
         tag = save_signature.bind(engine, save_dir, *args, **kwargs).arguments.get("tag")
         tag = f"global_step{engine.global_steps}" if tag is None else tag   # DeepSpeed's default tag
         result = save(save_dir, *args, **kwargs)
-        save_optimizer_state(optimizer, own_file(os.path.join(save_dir, str(tag))))
-        torch.distributed.barrier()
+        save_optimizer_state(optimizer, own_file(os.path.join(save_dir, str(tag))))   # each rank reads its own
         return result
 
     def load_checkpoint(load_dir, *args, **kwargs):
