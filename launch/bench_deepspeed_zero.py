@@ -118,7 +118,8 @@ def main() -> None:
         with open(args.csv, "w", newline="") as file:
             writer = csv.DictWriter(file, fieldnames=list(rows[0]))
             writer.writeheader()
-            writer.writerows(rows)
+            writer.writerows({key: round(value, 4) if isinstance(value, float) else value for key, value in row.items()}
+                             for row in rows)
         print(f"wrote {args.csv}")
     dist.barrier()
     shardopt.deepspeed.shutdown()
