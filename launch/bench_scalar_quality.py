@@ -2,11 +2,11 @@
 vs Lion (1-bit majority vote) for the embeddings, norms and tied head, under Dion and Sign-Muon.
 
     python integrations/data.py --tokenizer bpe      # once
-    python launch/bench_scalar_quality.py            # ~16 torchrun runs of 4 CPU processes
+    python launch/bench_scalar_quality.py            # ~20 torchrun runs of 4 CPU processes (~1 h on 2 cores)
 
 The GPT of integrations/fsdp/train.py on BPE-4096 Shakespeare (the tied embedding/head is 40 % of
 its 1.3 M parameters), 2 replicas × 2 FSDP2 shards, equal steps and tokens for every run. Protocol:
-three scalar learning rates per (matrix optimizer, scalar algorithm) at seed 0; the best of them
+four scalar learning rates (half-decades) per (matrix optimizer, scalar algorithm) at seed 0; the best of them
 (lowest final val loss) is run again at seed 1; results/scalar_quality.csv reports per (matrix
 optimizer, scalar algorithm) every lr's seed-0 loss, the best lr's two seeds, their mean and the
 ratio to AdamW's mean. A finished run in runs/scalar_quality/ is reused (an interrupted sweep resumes).
@@ -23,14 +23,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCALAR_LRS = {"adamw": (3e-3, 1e-2, 3e-2), "lion": (1e-3, 3e-3, 1e-2)}
+SCALAR_LRS = {"adamw": (3e-3, 1e-2, 3e-2, 1e-1), "lion": (1e-3, 3e-3, 1e-2, 3e-2)}
 MATRIX = ("signmuon", "dion")
 
 
 def run(args, optimizer: str, scalar: str, lr: float, seed: int) -> dict:
     """One training run's summary (train.py's summary.json); a finished run of the same settings in
     --out is reused, so an interrupted sweep resumes."""
-    out = args.out / f"{optimizer}-{scalar}-{lr:g}-s{seed}-{args.steps}x{args.batch_size}"
+    betas = args.lion_betas if scalar == "lion" else (0.9, 0.95)
+    out = args.out / f"{optimizer}-{scalar}-{lr:g}-s{seed}-{args.steps}x{args.batch_size}" \
+        f"{'' if tuple(betas) == (0.9, 0.95) else '-b' + '-'.join(map(str, betas))}"
     if (out / "summary.json").exists():
         return json.loads((out / "summary.json").read_text())
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
@@ -38,7 +40,7 @@ def run(args, optimizer: str, scalar: str, lr: float, seed: int) -> dict:
                "--scalar-algorithm", scalar, "--scalar-lr", str(lr), "--seed", str(seed), "--tokenizer", "bpe",
                "--rank-fraction", "0.25", "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--eval-every", str(args.steps), "--eval-batches", "16", "--log-every", str(args.steps),
-               "--check-replicas-every", str(args.steps), "--out-dir", str(out)]
+               "--check-replicas-every", str(args.steps), "--scalar-betas", *map(str, betas), "--out-dir", str(out)]
     print(f"== {optimizer} + {scalar} (lr {lr:g}), seed {seed}", flush=True)
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
     return json.loads((out / "summary.json").read_text())
@@ -50,6 +52,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--out", type=Path, default=ROOT / "runs/scalar_quality")
     parser.add_argument("--csv", type=Path, default=ROOT / "results/scalar_quality.csv")
+    parser.add_argument("--lion-betas", type=float, nargs=2, default=(0.9, 0.95), help="Lion's (β₁, β₂); AdamW "
+                        "keeps (0.9, 0.95)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     summary = []
@@ -59,7 +63,9 @@ def main() -> None:
             runs = {lr: run(args, optimizer, scalar, lr, 0) for lr in lrs}
             lr = min(runs, key=lambda lr: runs[lr]["final_val_loss"])
             first, second = runs[lr]["final_val_loss"], run(args, optimizer, scalar, lr, 1)["final_val_loss"]
-            best[scalar] = {"matrix_optimizer": optimizer, "scalar_algorithm": scalar, "best_scalar_lr": lr,
+            best[scalar] = {"matrix_optimizer": optimizer, "scalar_algorithm": scalar,
+                            "scalar_betas": " ".join(map(str, args.lion_betas if scalar == "lion" else (0.9, 0.95))),
+                            "best_scalar_lr": lr,
                             "val_loss_seed0": round(first, 4), "val_loss_seed1": round(second, 4),
                             "mean_val_loss": round((first + second) / 2, 4), "steps": runs[lr]["steps"],
                             "tokens": runs[lr]["tokens"], "replicate_bytes_per_step": runs[lr]["replicate_bytes_per_step"],

@@ -64,6 +64,8 @@ parser.add_argument("--scalar-algorithm", choices=("adamw", "lion"), default="ad
                     "head: AdamW (full-precision gradient mean) or Lion (1-bit majority vote over the replicas)")
 parser.add_argument("--scalar-lr", type=float, default=None, help="lr of embeddings, norms and head; default "
                     "3e-3 (adamw), 3e-4 (lion)")
+parser.add_argument("--scalar-betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("BETA1", "BETA2"),
+                    help="betas of the non-matrix group (AdamW's, or Lion's interpolation and momentum)")
 parser.add_argument("--wire-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="dion: precision of the low-rank factors on the replicate axis")
 parser.add_argument("--weight-decay", type=float, default=0.01, help="weight decay of the 2-D weights")
@@ -166,7 +168,7 @@ log(f"model: {model.num_params():,} params, {args.n_layer} layers, width {args.n
 # ---- optimizer: the 2-D weights get --optimizer, everything else AdamW ---------------------------
 matrix_algorithm = "dion" if args.optimizer == "adamw" else args.optimizer
 groups = shardopt.param_groups(model, matrix_algorithm, args.scalar_algorithm,
-                               scalar_options=dict(lr=args.scalar_lr, weight_decay=0.0))
+                               scalar_options=dict(lr=args.scalar_lr, weight_decay=0.0, betas=tuple(args.scalar_betas)))
 meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed)
 if args.optimizer == "dion":
     opt = shardopt.Dion(groups, lr=args.lr, mu=args.mu, rank_fraction=args.rank_fraction,
@@ -333,6 +335,7 @@ if master and totals["steps"]:
     final_val = next((float(r["val_loss"]) for r in reversed(rows) if r["val_loss"] != ""), float("nan"))
     summary = {
         "optimizer": args.optimizer, "scalar_algorithm": args.scalar_algorithm, "scalar_lr": args.scalar_lr,
+        "scalar_betas": " ".join(map(str, args.scalar_betas)),
         "tokenizer": args.tokenizer, "seed": args.seed, "replicate": args.replicate, "shard": args.shard, "lr": args.lr,
         "rank_fraction": args.rank_fraction if args.optimizer == "dion" else "",
         "vote": resolve_vote(args.vote, max(p.to_local().numel() for p in groups[0]["params"]), args.replicate)
