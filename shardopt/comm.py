@@ -13,7 +13,8 @@ this rank sends and receives with the volume of the standard algorithm
 | all_to_all      | (M−1)·S / M                 |
 | reduce_scatter  | (M−1)·S / M                 |
 
-(integer division of the product). No other module calls torch.distributed
+(integer division of the product); `reduce` to one rank: each other rank sends S, the root
+receives (M−1)·S. No other module calls torch.distributed
 collectives. Every collective can run asynchronously (`async_op=True` returns
 a `Pending`), so the step scheduler can overlap one bucket's communication with
 another bucket's compute.
@@ -71,6 +72,26 @@ def _resolve_group(mesh, name: str):
         raise ValueError(f"{name}_mesh is a process group this rank (global rank {dist.get_rank()}) "
                          f"is not a member of; pass the group that contains this rank")
     return group, dist.get_world_size(group), rank
+
+
+def split_world(replicate: int, shard: int) -> tuple:
+    """Process groups of a (replicate, shard) mesh over the world, rank = replica·shard + shard index
+    (consecutive ranks share a node): (this rank's replicate group, this rank's shard group).
+    Every rank must call it (dist.new_group is collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if replicate * shard != world:
+        raise ValueError(f"mesh replicate={replicate} × shard={shard} = {replicate * shard} ranks, but the world has "
+                         f"{world}; choose R·S = {world}")
+    mine = {}
+    for index in range(shard):
+        group = dist.new_group([index + shard * r for r in range(replicate)])
+        if index == rank % shard:
+            mine["replicate"] = group
+    for index in range(replicate):
+        group = dist.new_group(list(range(index * shard, (index + 1) * shard)))
+        if index == rank // shard:
+            mine["shard"] = group
+    return mine["replicate"], mine["shard"]
 
 
 class Pending:
@@ -163,6 +184,21 @@ class Axis:
         out = tensor.new_empty((tensor.size(0) // self.size, *tensor.shape[1:]))
         work = _reduce_scatter(out.view(-1), tensor.contiguous().view(-1), group=self.group, async_op=True)
         return self._issue(work, lambda: out, async_op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
+        """In place on axis rank `dst`: tensor ← Σ over the axis (the others' tensors are left as they are
+        or overwritten: do not read them). Counted as a direct reduce: every other rank sends its
+        tensor, `dst` receives (M−1) of them."""
+        if self.size == 1:
+            return self._issue(None, lambda: tensor, async_op)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.rank == dst:
+            self.bytes_received += (self.size - 1) * nbytes
+        else:
+            self.bytes_sent += nbytes
+        self.calls += 1
+        work = dist.reduce(tensor, dst=dist.get_global_rank(self.group, dst), group=self.group, async_op=True)
+        return self._issue(work, lambda: tensor, async_op)
 
     def agree(self, values: list[int], timeout_s: float) -> list[list[int]]:
         """Every rank's list of ints (same length everywhere), waiting at most `timeout_s`, so a

@@ -178,9 +178,13 @@ class ShardOptimizer(torch.optim.Optimizer):
             flag = torch.where((~torch.isfinite(norms)).any(), 2.0, float(missing)).reshape(1)
         else:
             flag = torch.full((1,), float(missing), device=self._device())
-        self.replicate.all_reduce(flag, "max")
-        self.shard.all_reduce(flag, "max")
+        for axis in self.agreement_axes():
+            axis.all_reduce(flag, "max")
         return int(flag.item())
+
+    def agreement_axes(self) -> tuple[Axis, ...]:
+        """The axes over which every rank must take the same branch of a step."""
+        return (self.replicate, self.shard)
 
     def _device(self) -> torch.device:
         """Where this rank's small collectives live (its first param's device)."""
@@ -198,8 +202,8 @@ class ShardOptimizer(torch.optim.Optimizer):
         if flag == 0:
             return set(params)
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=self._device())
-        self.replicate.all_reduce(has_grad, "max")
-        self.shard.all_reduce(has_grad, "max")
+        for axis in self.agreement_axes():
+            axis.all_reduce(has_grad, "max")
         return {p for p, anywhere in zip(params, has_grad.tolist()) if anywhere}
 
     def _report_nonfinite(self) -> None:

@@ -176,3 +176,16 @@ def like_param(param: torch.Tensor, local_tensor: torch.Tensor, global_rows: int
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False,
                               shape=torch.Size(shape), stride=stride)
+
+
+def assign_owners(sizes: list[int], parts: int) -> list[int]:
+    """Owner (0..parts−1) of each whole tensor of `sizes` elements, balancing the elements per owner:
+    largest first onto the least-loaded owner (ties: lower index), so every rank computes the same
+    assignment. The largest load is at most the mean plus the largest tensor."""
+    owners = [0] * len(sizes)
+    load = [0] * parts
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owner = min(range(parts), key=lambda k: (load[k], k))
+        owners[index] = owner
+        load[owner] += sizes[index]
+    return owners

@@ -16,7 +16,9 @@ Two gloo ranks (one worker pool for the module), CPU accelerator. Pinned here:
 """
 
 import copy
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +39,10 @@ from shardopt.vote import resolve_vote, vote_bytes  # noqa: E402
 from workers import WorkerPool  # noqa: E402
 
 TIMEOUT_S = 150
+# DeepSpeed's CPU accelerator runs fp16 only where mkldnn has fp16 kernels (not on e.g. AMD EPYC).
+FP16_SUPPORTED = bool(deepspeed.accelerator.get_accelerator().is_fp16_supported())
+needs_fp16 = pytest.mark.skipif(not FP16_SUPPORTED, reason="DeepSpeed's accelerator does not support fp16 on this "
+                                "device (CPU: torch.ops.mkldnn._is_mkldnn_fp16_supported() is False)")
 DION = {"lr": 0.02, "rank_fraction": 0.25, "weight_decay": 0.01}
 SIGNMUON = {"lr": 0.003, "momentum": 0.9, "weight_decay": 0.0}
 
@@ -133,8 +139,8 @@ def test_dion_zero0_fp32_equals_shardopt_replicate_path(pool, clip):
             _dion_engine_matches_own_replicate_path, clip, timeout_s=TIMEOUT_S):
         assert diff <= 1e-6
         assert engine_clip == 0 and optimizer_clip == clip   # the optimizer clips, DeepSpeed does not
-        clip_bytes = 5 * collective_bytes("all_reduce", 4, 2) if clip else 0
-        assert engine_bytes == own_bytes + clip_bytes
+        norm_bytes = 5 * collective_bytes("all_reduce", 4, 2)   # the agreed gradient norm, every step
+        assert engine_bytes == own_bytes + norm_bytes
 
 
 def _signmuon_engine_exchanges_itself():
@@ -154,7 +160,7 @@ def _signmuon_engine_exchanges_itself():
     matrices = [p for p in engine.module.parameters() if p.ndim == 2]
     scalar_bytes = 4 * sum(p.numel() for p in engine.module.parameters() if p.ndim != 2)
     per_step = sum(vote_bytes(resolve_vote("auto", p.numel(), 2), p.numel(), 2) for p in matrices) \
-        + collective_bytes("all_reduce", scalar_bytes, 2) + collective_bytes("all_reduce", 4, 2)  # + non-finite flag
+        + collective_bytes("all_reduce", scalar_bytes, 2) + 2 * collective_bytes("all_reduce", 4, 2)  # + flag, norm
     sent = ours.comm_stats()["replicate"]["bytes_sent"]
     return (local_grads_differ, len(engine_allreduces), engine.enable_backward_allreduce, ours.replicas_consistent(),
             sent, 10 * per_step, [float(p.sum()) for p in matrices])
@@ -200,7 +206,8 @@ def _low_precision_trains(optimizer, precision):
     return untouched_at_construction, losses[0], losses[-1], engine.skipped_steps, ours.replicas_consistent(), grad_ratio
 
 
-@pytest.mark.parametrize("optimizer,precision", [("Dion", "bf16"), ("SignMuon", "bf16"), ("SignMuon", "fp16")])
+@pytest.mark.parametrize("optimizer,precision", [("Dion", "bf16"), ("SignMuon", "bf16"),
+                                                 pytest.param("SignMuon", "fp16", marks=needs_fp16)])
 def test_low_precision_trains_and_loss_goes_down(pool, optimizer, precision):
     for untouched, first, last, skipped, consistent, grad_ratio in pool.run(_low_precision_trains, optimizer, precision,
                                                                             timeout_s=TIMEOUT_S):
@@ -237,7 +244,7 @@ def _inf_on_one_rank_skips_everywhere(precision):
             engine.skipped_steps)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+@pytest.mark.parametrize("precision", [pytest.param("fp16", marks=needs_fp16), "fp32"])
 def test_inf_gradient_on_one_rank_skips_the_step_on_both(pool, precision):
     """fp16: DeepSpeed's wrapper skips (its overflow check replaced by one that agrees over the replicas)
     and halves the loss scale; fp32: the optimizer skips and tells the engine (optimizer.overflow)."""
@@ -245,7 +252,8 @@ def test_inf_gradient_on_one_rank_skips_the_step_on_both(pool, precision):
             _inf_on_one_rank_skips_everywhere, precision, timeout_s=TIMEOUT_S):
         assert skipped == 1 and unchanged and lr_held
         assert scale_ratio == (0.5 if precision == "fp16" else 1.0)
-        assert flag_bytes == collective_bytes("all_reduce", 4, 2)   # only the overflow flag moved
+        # only the overflow flag moved (fp32: and the gradient norm, computed before the optimizer's own check)
+        assert flag_bytes == (1 if precision == "fp16" else 2) * collective_bytes("all_reduce", 4, 2)
         assert consistent and skipped_after == 1
 
 
@@ -299,7 +307,7 @@ def _checkpoint_resume(directory, optimizer, precision):
             _max_diff(_weights(saving.module), _weights(never_saved.module)))
 
 
-@pytest.mark.parametrize("optimizer,precision", [("SignMuon", "fp32"), ("Dion", "fp16")])
+@pytest.mark.parametrize("optimizer,precision", [("SignMuon", "fp32"), pytest.param("Dion", "fp16", marks=needs_fp16)])
 def test_checkpoint_at_step_5_resumes_on_the_same_trajectory(pool, tmp_path, optimizer, precision):
     for loaded, diffs, lrs, global_steps, _ in pool.run(_checkpoint_resume, str(tmp_path), optimizer, precision,
                                                         timeout_s=TIMEOUT_S):
@@ -308,12 +316,45 @@ def test_checkpoint_at_step_5_resumes_on_the_same_trajectory(pool, tmp_path, opt
         assert lrs[0] == lrs[1] and global_steps == 10
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("optimizer", ["Dion", "SignMuon"])
-def test_zero_stages_1_to_3_raise_a_clear_error(optimizer, stage):
-    config = _config(optimizer, zero_optimization={"stage": stage}, zero_allow_untested_optimizer=True)
-    with pytest.raises(ValueError, match=rf"ZeRO stage 0 only.*stage = {stage}.*FSDP2"):
-        sds.initialize(model=_model(), config=config)
+def test_zero_stage_3_and_offload_raise_a_clear_error_pointing_to_fsdp2(optimizer):
+    with pytest.raises(ValueError, match=r"ZeRO stages 0, 1 and 2.*stage = 3.*FSDP2 HSDP"):
+        sds.initialize(model=_model(), config=_config(optimizer, zero_optimization={"stage": 3}))
+    with pytest.raises(ValueError, match=r"zero_optimization.offload_optimizer is not supported"):
+        sds.initialize(model=_model(), config=_config(optimizer, zero_optimization={
+            "stage": 2, "offload_optimizer": {"device": "cpu"}}))
+
+
+@pytest.mark.parametrize("mesh", [{"replicate": 2}, {"replicate": 2, "shard": 0}, {"replicate": 1.5, "shard": 2}, [2, 2]])
+def test_a_malformed_mesh_raises_naming_the_section(mesh):
+    with pytest.raises(ValueError, match=r"\"shardopt\": \{\"mesh\": ...\} must be \{\"replicate\": R, \"shard\": S\}"):
+        sds.initialize(model=_model(), config=_config("Dion", zero_optimization={"stage": 1}, shardopt={"mesh": mesh}))
+
+
+def test_fp16_on_a_device_without_fp16_raises_naming_bf16(monkeypatch):
+    """The accelerator's own capability check (CPU: mkldnn fp16) decides, before any engine is built."""
+    monkeypatch.setattr(type(deepspeed.accelerator.get_accelerator()), "is_fp16_supported", lambda self: False)
+    with pytest.raises(ValueError, match=r"enables \"fp16\".*does not support.*use \"bf16\""):
+        sds.initialize(model=_model(), config=_config("SignMuon", precision="fp16"))
+
+
+def test_moe_expert_params_raise_a_clear_error():
+    model = _model()
+    model[2].weight.allreduce = False     # how deepspeed.moe marks expert parameters
+    with pytest.raises(NotImplementedError, match=r"MoE expert parameters \(e.g. '2.weight'"):
+        sds.initialize(model=model, config=_config("Dion"))
+
+
+def test_untested_deepspeed_version_fails_clearly(monkeypatch):
+    from shardopt.deepspeed import internals
+    monkeypatch.setattr(internals, "_checked", [])
+    monkeypatch.setattr(deepspeed, "__version__", "0.14.2")
+    with pytest.raises(ImportError, match=r"tested with DeepSpeed 0.19.x, and DeepSpeed 0.14.2 is installed"):
+        sds.initialize(model=_model(), config=_config("Dion"))
+    monkeypatch.setenv(internals.ALLOW_UNTESTED, "1")
+    monkeypatch.setattr(internals, "missing_internals", lambda ds: ["DeepSpeedEngine.destroy"])
+    with pytest.raises(ImportError, match=r"lacks internals the shardopt plugin relies on: DeepSpeedEngine.destroy"):
+        sds.initialize(model=_model(), config=_config("Dion"))
 
 
 def test_unknown_optimizer_params_and_model_parallelism_raise_clear_errors():
@@ -349,18 +390,52 @@ def test_scheduler_error_param_groups_and_other_optimizers_pass_through(pool):
         assert optimizer == "AdamW" and backward_allreduce is True
 
 
+def _client_optimizer_path():
+    """The way for code that calls deepspeed.initialize itself: engine_config + client_optimizer + attach."""
+    _env()
+    config = _config("SignMuon", precision="bf16", gradient_clipping=0.05)
+    reference, *_ = sds.initialize(model=_model(), config=config)
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=sds.client_optimizer(model, config),
+                                      config=sds.engine_config(config))
+    engine.backward(_loss(engine, *_batch(0)))
+    try:
+        engine.step()
+        unwired = None
+    except RuntimeError as error:
+        unwired = str(error)
+    engine.zero_grad()
+    ours = sds.attach(engine)
+    _train(reference, 5)
+    _train(engine, 5)
+    return (unwired, _max_diff(_weights(reference.module), _weights(engine.module)), engine.enable_backward_allreduce,
+            ours.comm_stats()["replicate"]["bytes_sent"], sds.shard_optimizer(reference).comm_stats()["replicate"]["bytes_sent"])
+
+
+def test_client_optimizer_and_attach_equal_initialize_and_an_unwired_step_raises(pool):
+    for unwired, diff, backward_allreduce, sent, reference_sent in pool.run(_client_optimizer_path, timeout_s=TIMEOUT_S):
+        assert "call shardopt.deepspeed.attach(engine)" in unwired
+        assert diff == 0 and backward_allreduce is False and sent == reference_sent
+
+
 def test_missing_deepspeed_gives_an_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(ImportError, match=r"pip install 'shardopt\[deepspeed\]'"):
         sds.initialize(model=_model(), config=_config("Dion"))
 
 
-@pytest.mark.parametrize("config", ["dion_bf16", "signmuon_bf16", "signmuon_fp16", "adamw"])
+def _write_corpus(directory) -> None:
+    """A small byte corpus in the layout integrations/data.py prepares."""
+    text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(500))
+    (directory / "train.bin").write_bytes(text)
+    (directory / "meta.json").write_text('{"vocab_size": 256, "dtype": "uint8"}')
+
+
+@pytest.mark.parametrize("config", ["dion_bf16", "signmuon_bf16", pytest.param("signmuon_fp16", marks=needs_fp16),
+                                    "adamw"])
 def test_train_script_runs_under_torchrun(config, tmp_path):
     """The GPT of integrations/model.py on a small byte corpus in the prepared layout."""
-    text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(500))
-    (tmp_path / "train.bin").write_bytes(text)
-    (tmp_path / "meta.json").write_text('{"vocab_size": 256, "dtype": "uint8"}')
+    _write_corpus(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(ROOT / "integrations" / "deepspeed" / "train.py"), "--data-dir", str(tmp_path),
@@ -369,3 +444,25 @@ def test_train_script_runs_under_torchrun(config, tmp_path):
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step     5" in result.stdout, result.stdout[-3000:]
+
+
+def test_tiny_gpt2_trains_through_accelerate_deepspeed_plugin_with_compressed_bytes(tmp_path):
+    """HF Accelerate calls deepspeed.initialize itself: integrations/deepspeed/train_accelerate.py (engine_config,
+    client_optimizer, attach) on 2 processes; a GPT-2 built from GPT2Config (no download)."""
+    missing = [name for name in ("transformers", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (pip install 'shardopt[hf]')")
+    _write_corpus(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "integrations" / "deepspeed" / "train_accelerate.py"), "--data-dir", str(tmp_path),
+               "--block-size", "16", "--steps", "6",
+               "--deepspeed_config", str(ROOT / "integrations" / "deepspeed" / "signmuon_bf16.json")]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = re.search(r"DeepSpeedSignMuon through Accelerate on 2 ranks: ([\d,]+) B sent on the replicate axis, "
+                        r"([\d.]+) of an fp32 all-reduce; replicas identical: True", result.stdout)
+    assert summary, result.stdout[-3000:]
+    assert int(summary.group(1).replace(",", "")) > 0 and float(summary.group(2)) < 0.3
+    losses = [float(x) for x in re.findall(r"loss ([\d.]+)", result.stdout)]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses

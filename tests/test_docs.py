@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [path for pattern in ("*.md", "shardopt/*.py", "integrations/**/*.py", "launch/**/*.py", "launch/**/*.sh", "tests/*.py")
+SOURCES = [path for pattern in ("*.md", "shardopt/**/*.py", "integrations/**/*.py", "launch/**/*.py", "launch/**/*.sh", "tests/*.py")
            for path in ROOT.glob(pattern)]
 
 

@@ -24,9 +24,16 @@ _CONTEXT = multiprocessing.get_context("fork")
 
 
 def _worker(rank: int, world_size: int, store_path: str, timeout_s: float, conn) -> None:
+    import sys
+
     import torch
     import torch.distributed as dist
 
+    # Under pytest's capture sys.stderr is a file whose descriptor is not 2. Tools that silence a child
+    # process by redirecting descriptor sys.stderr.fileno() then miss it: DeepSpeed's op-builder probe
+    # links a test program against libaio (its NVMe-offload op; unused here), and `ld: cannot find -laio`
+    # reached the captured output. Descriptor 2 is captured by pytest all the same.
+    sys.stderr = sys.__stderr__
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,

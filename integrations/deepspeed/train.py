@@ -103,8 +103,9 @@ def main():
         print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f} s, {total:,} B sent on the data-parallel axis"
               f" ({total / (allreduce_bytes * args.steps):.3f} of an fp32 all-reduce)")
     consistent = optimizer is None or optimizer.replicas_consistent()
+    del optimizer
     dist.barrier()
-    dist.destroy_process_group()                       # a clean exit (gloo threads end before the interpreter)
+    shardopt.deepspeed.shutdown(engine)                # engine, then every process group, before the interpreter exits
     if not consistent:
         raise SystemExit("replicas diverged: weights differ across data-parallel ranks")
 

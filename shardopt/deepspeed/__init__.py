@@ -1,0 +1,79 @@
+"""DeepSpeed plugin: Dion and Sign-Muon from a DeepSpeed JSON config, through one call.
+
+    import shardopt.deepspeed
+    engine, optimizer, _, lr_scheduler = shardopt.deepspeed.initialize(model=model, config="dion_bf16.json")
+    loss = engine(batch); engine.backward(loss); engine.step()
+
+`initialize` has deepspeed.initialize's signature and return value. When the
+config's "optimizer" type is "Dion" or "SignMuon" it builds the optimizer
+(`shardopt.param_groups(model)`: 2-D weights for the matrix algorithm, the rest
+for AdamW or Lion) and hands it to DeepSpeed as a client optimizer; any other
+config goes to deepspeed.initialize unchanged. model_parameters given as tensors
+select the params to train, still split by param_groups; param-group dicts are
+used as given. Model parallelism (mpu=..., PipelineModule) and MoE expert
+parameters are refused. The optimizer's "params" are the class's keyword
+arguments. An optional top-level "shardopt" section:
+
+    "shardopt": {"scalar_algorithm": "adamw" | "lion",
+                 "scalar_names": ["pos_emb"],       names (substrings) to treat as non-matrix
+                 "head_names": ["lm_head"],         output heads (non-matrix)
+                 "scalar": {"lr": 3e-4},            options of the non-matrix group
+                 "matrix": {...},                   options of the matrix group
+                 "mesh": {"replicate": R, "shard": S},   data-parallel ranks as R nodes × S ranks
+                 "verbose": true}                   print the groups on rank 0
+
+Code that calls deepspeed.initialize itself (HF Accelerate, Transformers): give
+DeepSpeed `engine_config(config)`, pass `client_optimizer(model, config)` as the
+optimizer, and call `attach(engine)` on the engine it returns.
+
+One file per concern: `config.py` (what the plugin reads from the config),
+`optimizers.py` (the optimizer classes DeepSpeed drives: agreed clipping and
+overflow), `zero.py` (ZeRO stages 1/2 with the compressed exchange across
+nodes), `engine.py` (building the optimizer, wiring the engine),
+`internals.py` (every DeepSpeed internal the plugin touches, checked on load).
+
+What the plugin changes in the engine, and why:
+
+- Gradient exchange: `engine.enable_backward_allreduce = False` (as DeepSpeed's
+  1-bit Adam does), so backward leaves each rank's *local* gradient; the
+  optimizer's step does the compressed exchange once per accumulated batch.
+- ZeRO: DeepSpeed's ZeRO 1/2 optimizers flatten the gradients and average them
+  themselves, so DeepSpeed is given stage 0 and shardopt runs stages 1/2
+  (zero.py): state partitioned over the ranks of a node, gradients reduced to their owners
+  inside the node at full precision, only the compressed exchange across nodes,
+  weights all-gathered inside the node. Stage 3 is refused: it partitions the
+  weights too, which is shardopt's FSDP2 HSDP path (fully_shard + replicate_mesh /
+  shard_mesh) already, without DeepSpeed's on-the-fly gathering of flat pieces.
+- Gradient clipping: "gradient_clipping" is taken out of the engine's config and
+  done by the optimizer with a norm agreed over the replicas (optimizers.py),
+  also reported by engine.get_global_grad_norm().
+- fp16/bf16: DeepSpeed keeps fp32 master copies in a wrapper (FP16_UnfusedOptimizer)
+  that hands them to the optimizer; its construction-time "initialize state" step
+  with zero gradients is a no-op here (it would apply weight decay, and Sign-Muon's
+  sign(0) = +1 would move every weight). Its overflow check is replaced by one that
+  agrees over all data-parallel ranks (a step is skipped on every rank or on none;
+  the decision reads one flag: a device sync, as DeepSpeed's own check has). With
+  fp16, DeepSpeed 0.19 at stage 0 runs backward without the loss scale yet unscales
+  in step (deepspeedai/DeepSpeed#8393); engine.backward here applies it (as in
+  DeepSpeed's own fp16 wrapper, an fp16 loss tensor overflows at scale 2^16: compute
+  the loss in fp32). Use engine.backward, not engine.scale(loss).backward(). fp16 on
+  a device DeepSpeed cannot run it on (a CPU without mkldnn fp16) is refused up front.
+- Non-finite gradients in fp32: the optimizer's own check (nonfinite="skip", agreed)
+  skips the step on every rank and sets `optimizer.overflow`, which the engine reads:
+  engine.skipped_steps counts it and the LR scheduler does not advance, as under fp16.
+- Checkpoints: `engine.save_checkpoint` first averages the replicas' decoupled
+  momenta (docs/design.md §6), so the one optimizer state DeepSpeed writes (data-parallel
+  rank 0) holds for every replica. At ZeRO 1/2 every rank also writes and reads
+  its own partition next to DeepSpeed's files (engine.py).
+
+DeepSpeed's LR schedulers act on the optimizer's param groups. WarmupLR,
+WarmupDecayLR, OneCycle and LRRangeTest set absolute learning rates; when the
+groups' learning rates differ, give those as per-group lists (or use
+WarmupCosineLR, which scales each group's own lr); otherwise an error says so.
+"""
+
+from .engine import attach, client_optimizer, engine_config, initialize, shard_optimizer, shutdown
+from .optimizers import DeepSpeedDion, DeepSpeedSignMuon
+
+__all__ = ["initialize", "shard_optimizer", "engine_config", "client_optimizer", "attach", "shutdown",
+           "DeepSpeedDion", "DeepSpeedSignMuon"]

@@ -1,0 +1,219 @@
+"""The DeepSpeed JSON config as the plugin reads it: what shardopt takes out of it (optimizer, clipping,
+ZeRO stage, mesh, grouping) and the config DeepSpeed itself is given. No distributed calls here."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+from dataclasses import dataclass, field
+
+from ..groups import param_groups
+from ..optimizer import Dion, ShardOptimizer, SignMuon
+from .optimizers import OPTIMIZERS
+
+SHARDOPT_SECTION_KEYS = ("scalar_algorithm", "scalar_names", "head_names", "scalar", "matrix", "verbose", "mesh")
+# ZeRO keys that change where state or work lives and that the plugin does not do: refused, not ignored.
+REFUSED_ZERO_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "zero_hpz_partition_size",
+                     "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size")
+# DeepSpeed schedulers that set absolute learning rates, and their lr parameters (a number, or one per group).
+ABSOLUTE_LR_SCHEDULERS = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr"),
+    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr"),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
+    "LRRangeTest": ("lr_range_test_min_lr",),
+}
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000   # elements, DeepSpeed's default: the stage-2 gradients in flight
+FSDP2_HINT = ("use shardopt with FSDP2 HSDP instead: fully_shard(model, mesh=mesh['shard']) and "
+              "{name}(..., replicate_mesh=mesh['replicate'], shard_mesh=mesh['shard']) shard weights, gradients and "
+              "optimizer state inside a node and send only the compressed exchange across nodes "
+              "(see integrations/fsdp/train.py)")
+
+
+@dataclass
+class Plan:
+    """What the plugin does for one config: the optimizer class and its keyword arguments, the
+    "shardopt" section, the clipping it takes over, the ZeRO stage it runs itself (DeepSpeed is
+    given stage 0) and the (replicate, shard) mesh (None: every data-parallel rank is a replica)."""
+
+    cls: type
+    name: str
+    options: dict
+    section: dict
+    max_grad_norm: float
+    zero_stage: int
+    reduce_bucket_size: int
+    mesh: tuple[int, int] | None
+    scheduler: dict | None = None
+    engine_config: dict = field(default_factory=dict)
+
+
+def read_config(call: dict) -> tuple[dict, bool]:
+    """The config dict (a copy) from config=, config_params= or args.deepspeed_config, and whether it
+    came from args."""
+    args = call.get("args")
+    source = call.get("config", call.get("config_params"))
+    from_args = source is None and getattr(args, "deepspeed_config", None) is not None
+    if from_args:
+        source = args.deepspeed_config
+    if source is None:
+        raise ValueError("no DeepSpeed config: pass config=<dict or path to a JSON file> "
+                         "(or args with --deepspeed_config)")
+    return load_config(source), from_args
+
+
+def load_config(source) -> dict:
+    """A copy of the config given as a dict or as the path of a JSON file."""
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
+        with open(source) as file:
+            return json.load(file)
+    raise ValueError(f"DeepSpeed config must be a dict or the path of a JSON file, got {source!r}")
+
+
+def plan(config: dict, model=None, mpu=None, *, fp16_supported=None) -> Plan | None:
+    """The Plan for a config whose "optimizer" type is Dion or SignMuon (None for any other type),
+    after every check that needs no process group. `fp16_supported`: a callable, asked only when
+    the config enables fp16."""
+    optimizer_config = config.get("optimizer") or {}
+    cls = OPTIMIZERS.get(str(optimizer_config.get("type", "")).lower())
+    if cls is None:
+        return None
+    name = optimizer_config["type"]
+    zero = dict(config.get("zero_optimization") or {})
+    stage = int(zero.get("stage", 0))
+    section = _shardopt_section(config)
+    _check_supported(config, zero, stage, model, mpu, name, fp16_supported)
+    engine_config = copy.deepcopy(config)
+    engine_config["gradient_clipping"] = 0.0            # clipped by the optimizer, the same on every replica
+    engine_config["zero_optimization"] = {"stage": 0}   # stages 1/2 are done by shardopt (see zero.py)
+    engine_config.pop("optimizer", None)
+    engine_config.pop("shardopt", None)
+    return Plan(cls=cls, name=name, options=_optimizer_options(cls, optimizer_config.get("params") or {}, name),
+                section=section, max_grad_norm=config.get("gradient_clipping", 0.0) or 0.0, zero_stage=stage,
+                reduce_bucket_size=_positive_int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE),
+                                                 "zero_optimization.reduce_bucket_size"),
+                mesh=_mesh(section.get("mesh"), stage), scheduler=config.get("scheduler"), engine_config=engine_config)
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or value != int(value):
+        raise ValueError(f"{name} must be a positive integer (elements), got {value!r}")
+    return int(value)
+
+
+def _check_supported(config: dict, zero: dict, stage: int, model, mpu, name: str, fp16_supported) -> None:
+    if stage not in (0, 1, 2):
+        raise ValueError(f"shardopt's {name} runs under DeepSpeed with ZeRO stages 0, 1 and 2, and the config sets "
+                         f"zero_optimization.stage = {stage}. ZeRO stage 3 also partitions the weights, which "
+                         f"DeepSpeed gathers on the fly as flat pieces; for that, {FSDP2_HINT.format(name=name)}")
+    refused = [key for key in REFUSED_ZERO_KEYS if zero.get(key)]
+    if refused:
+        raise ValueError(f"zero_optimization.{refused[0]} is not supported with shardopt's {name} (the plugin runs "
+                         f"ZeRO stages 1 and 2 itself, without offload or quantized collectives); remove it")
+    if (config.get("fp16") or {}).get("enabled") and fp16_supported is not None and not fp16_supported():
+        raise ValueError("the config enables \"fp16\", which DeepSpeed's accelerator does not support on this device "
+                         "(its CPU accelerator needs mkldnn fp16: torch.ops.mkldnn._is_mkldnn_fp16_supported() is "
+                         "False here); use \"bf16\": {\"enabled\": true} instead, or fp32")
+    if type(model).__name__ == "PipelineModule":
+        raise NotImplementedError(f"shardopt's {name} under DeepSpeed does not support pipeline parallelism "
+                                  f"(PipelineModule); use a plain nn.Module")
+    if mpu is not None:
+        raise NotImplementedError(f"shardopt's {name} under DeepSpeed does not support model parallelism "
+                                  f"(mpu=...): tensor-parallel shards are not whole matrices")
+    experts = [n for n, p in (model.named_parameters() if model is not None else ()) if getattr(p, "allreduce", True)
+               is False]
+    if experts:
+        raise NotImplementedError(f"shardopt's {name} under DeepSpeed does not support MoE expert parameters "
+                                  f"(e.g. {experts[0]!r}, from deepspeed.moe.layer.MoE): each expert lives on its "
+                                  f"expert-parallel ranks and must be averaged over the expert-data-parallel group, "
+                                  f"not over all replicas. Train MoE models with shardopt under FSDP2 (3-D expert "
+                                  f"stacks are a batch of matrices there), or use DeepSpeed's own optimizer")
+
+
+def _mesh(mesh, stage: int) -> tuple[int, int] | None:
+    """(replicate, shard) from the "shardopt": {"mesh": ...} section, checked by name and type; the
+    product is checked against the world size once the process group is up (zero.make_mesh)."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, dict) or set(mesh) != {"replicate", "shard"} or not all(
+            type(v) is int and v >= 1 for v in mesh.values()):
+        raise ValueError(f"\"shardopt\": {{\"mesh\": ...}} must be {{\"replicate\": R, \"shard\": S}} with positive "
+                         f"integers R·S = the data-parallel world size, got {mesh!r}")
+    return mesh["replicate"], mesh["shard"]
+
+
+def _optimizer_options(cls, params: dict, name: str) -> dict:
+    """The config's optimizer params as keyword arguments of the class (checked by name here, by value there)."""
+    base = next(c for c in cls.__mro__ if c in (Dion, SignMuon))
+    allowed = []
+    for function in (base.__init__, ShardOptimizer.__init__):
+        for parameter in inspect.signature(function).parameters.values():
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and parameter.name not in (
+                    "self", "params", "defaults", "replicate_mesh", "shard_mesh") and parameter.name not in allowed:
+                allowed.append(parameter.name)
+    unknown = [key for key in params if key not in allowed]
+    if unknown:
+        raise ValueError(f"optimizer.params has unknown key(s) {', '.join(map(repr, unknown))} for {name}; "
+                         f"allowed: {', '.join(allowed)}")
+    options = dict(params)
+    if "betas" in options:
+        options["betas"] = tuple(options["betas"])
+    return options
+
+
+def _shardopt_section(config: dict) -> dict:
+    section = config.get("shardopt") or {}
+    unknown = [key for key in section if key not in SHARDOPT_SECTION_KEYS]
+    if unknown:
+        raise ValueError(f"the config's \"shardopt\" section has unknown key(s) {', '.join(map(repr, unknown))}; "
+                         f"allowed: {', '.join(SHARDOPT_SECTION_KEYS)}")
+    return section
+
+
+def build_param_groups(model, model_parameters, cls, section: dict) -> list:
+    """shardopt.param_groups(model) with the "shardopt" section's overrides, restricted to
+    `model_parameters` when those are given as tensors (the usual model.parameters()); param-group
+    dicts given by the caller are used as they are."""
+    if model_parameters is not None and any(isinstance(item, dict) for item in model_parameters):
+        groups = list(model_parameters)
+        if any(group.get("moe") for group in groups):
+            raise NotImplementedError("a param group is marked \"moe\": True (DeepSpeed expert parameters); shardopt "
+                                      "under DeepSpeed does not support MoE expert parameters")
+        return groups
+    options = {"scalar_algorithm": section.get("scalar_algorithm", "adamw"),
+               "matrix_options": section.get("matrix"), "scalar_options": section.get("scalar"),
+               "scalar_names": tuple(section.get("scalar_names", ()))}
+    if "head_names" in section:
+        options["head_names"] = tuple(section["head_names"])
+    groups = param_groups(model, cls.matrix_algorithm, **options)
+    if model_parameters is None:
+        return groups
+    chosen = {id(p) for p in model_parameters}
+    known = {id(p) for group in groups for p in group["params"]}
+    if chosen - known:
+        raise ValueError(f"{len(chosen - known)} of model_parameters are not trainable parameters of the model; "
+                         f"pass the model's own parameters (or param-group dicts)")
+    for group in groups:
+        kept = [(p, n) for p, n in zip(group["params"], group["param_names"]) if id(p) in chosen]
+        group["params"], group["param_names"] = [p for p, _ in kept], [n for _, n in kept]
+    return [group for group in groups if group["params"]]
+
+
+def check_scheduler(scheduler: dict | None, groups: list[dict]) -> None:
+    """A DeepSpeed scheduler that sets one absolute lr for all groups would overwrite differing group lrs."""
+    if not scheduler or scheduler.get("type") not in ABSOLUTE_LR_SCHEDULERS:
+        return
+    lrs = [group["lr"] for group in groups]
+    if len(set(lrs)) <= 1:
+        return
+    params = scheduler.get("params") or {}
+    single = [key for key in ABSOLUTE_LR_SCHEDULERS[scheduler["type"]] if not isinstance(params.get(key), (list, tuple))]
+    if single:
+        shown = ", ".join(f"{group['lr']:g} ({group['algorithm']})" for group in groups)
+        raise ValueError(f"the {scheduler['type']} scheduler sets one {'/'.join(single)} for every param group, but "
+                         f"the param groups have different learning rates: {shown}. Give "
+                         f"{' and '.join(single)} as a list with one value per group in this order, or use "
+                         f"WarmupCosineLR, which scales each group's own lr")

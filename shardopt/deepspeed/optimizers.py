@@ -1,0 +1,152 @@
+"""The optimizers DeepSpeed drives: Dion and Sign-Muon with what the engine needs (agreed clipping and
+overflow, the fp16/bf16 master copies, the checkpoint hook, the ZeRO 1/2 partition of zero.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..clipping import agreed_grad_norm, clip_grad_norm_
+from ..comm import Axis
+from ..optimizer import Dion, ShardOptimizer, SignMuon, bit_hash
+from ..placement import local
+from .zero import ZeroPartition
+
+
+class _EngineSide:
+    """What a shardopt optimizer needs under a DeepSpeed engine (mixed into Dion and SignMuon).
+
+    max_grad_norm: clip every replica's gradient by the same factor; 0 turns clipping off.
+    zero_stage, node_mesh: ZeRO stage (0, 1, 2) and the process group of this rank's node (the shard
+        axis of zero.py); node_mesh=None: no shard axis (stage 0, every data-parallel rank a replica).
+    reduce_bucket_size: stage 2, the most elements of gradients in flight to their owners during backward.
+
+    Global gradient norm (clipping, and engine.get_global_grad_norm() for logging), every step:
+        ν = mean over replicas of ‖g_replica‖₂, ‖g_replica‖₂² = Σ over the node's ranks of ‖owned g_node‖²
+    (a replica is a node when there is a shard axis, else one rank). The exact norm of the averaged
+    gradient would need the full-precision exchange the compression avoids; ν ≥ ‖mean g‖ (triangle
+    inequality), so clipping by min(1, max_norm / (ν + 1e-6)) clips at least as often. Cost: an all-reduce
+    of one float per axis, no host sync.
+    """
+
+    def __init__(self, params, *args, max_grad_norm: float = 0.0, zero_stage: int = 0,
+                 reduce_bucket_size: int = 500_000_000, node_mesh=None, **kwargs):
+        if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm >= 0):
+            raise ValueError(f"Invalid gradient_clipping: {max_grad_norm!r}; it must be a number ≥ 0")
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"Invalid zero_stage: {zero_stage!r}; shardopt runs ZeRO stages 0, 1 and 2")
+        self.max_grad_norm = float(max_grad_norm)
+        self.reduce_bucket_size = reduce_bucket_size
+        self._global_grad_norm = None
+        self.overflow = False       # read by the engine: a skipped step does not advance the LR scheduler
+        self._inert = True          # until the engine is wired (engine.wire): see step()
+        self._wrapper = None        # DeepSpeed's fp16/bf16 wrapper, when there is one
+        super().__init__(params, *args, **kwargs)
+        self.node = Axis("shard", node_mesh)
+        # state tensors per element: AdamW keeps two moments, the others one (Dion's Q is small beside M)
+        costs = [p.numel() * (2 if group["algorithm"] == "adamw" else 1) for group in self.param_groups
+                 for p in group["params"]]
+        self.zero = ZeroPartition([p.shape for p in self._slots()], self.node, zero_stage, costs) \
+            if node_mesh is not None else None
+
+    def _slots(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self._inert:
+            # DeepSpeed's fp16/bf16 wrapper "initializes optimizer state" with a step on zero
+            # gradients while the engine is being built; shardopt creates its state lazily.
+            if any(bool(p.grad.any()) for p in self._slots() if p.grad is not None):
+                raise RuntimeError("the shardopt optimizer is not wired to its DeepSpeed engine: after "
+                                   "deepspeed.initialize / accelerator.prepare, call shardopt.deepspeed.attach(engine)")
+            return None
+        params = self._slots()
+        if self.zero is not None:
+            if self.zero.stage < 2:    # stage 2 reduced after each backward (engine.wire)
+                for param, grad in zip(params, self.zero.reduce_gradients([p.grad for p in params], params)):
+                    param.grad = grad
+            for slot, param in enumerate(params):
+                if not self.zero.owns(slot):
+                    param.grad = None  # the wrapper's zeros for gradients this rank does not own
+        self._clip(params)
+        skipped = self.skipped_steps
+        loss = super().step(closure)
+        self.overflow = self.skipped_steps != skipped    # a non-finite gradient on some replica
+        if self.zero is not None and not self.overflow:
+            self.zero.gather_weights(params)
+        return loss
+
+    def _clip(self, params) -> None:
+        """ν (see the class doc) into _global_grad_norm; g ← g · min(1, max_norm / (ν + 1e-6))."""
+        grads = [local(p.grad) for p in params if p.grad is not None]
+        node = self.node if self.zero is not None and self.zero.stage >= 1 else Axis("shard")   # owned pieces
+        device = local(params[0]).device
+        norm = clip_grad_norm_(grads, self.max_grad_norm, self.replicate, node, device) if self.max_grad_norm > 0 \
+            else agreed_grad_norm(grads, self.replicate, node, device)
+        self._global_grad_norm = norm
+        if self._wrapper is not None:
+            self._wrapper._global_grad_norm = norm
+
+    def agreement_axes(self) -> tuple[Axis, ...]:
+        """Skipping a step is agreed over the node as well (each rank checks the gradients it owns)."""
+        return (*super().agreement_axes(), self.node)
+
+    def adopt_master_copies(self, model_params, master_params) -> None:
+        """DeepSpeed's fp16/bf16 wrapper swaps each param in the groups for an fp32 master copy (same
+        group, same position); the per-param bookkeeping (seeds, names, state) follows the swap."""
+        for old, new in zip(model_params, master_params):
+            self._param_index[new] = self._param_index.pop(old)
+            self._param_label[new] = self._param_label.pop(old)
+            if old in self.state:
+                self.state[new] = self.state.pop(old)
+
+    def checkpoint_event_prologue(self) -> None:
+        """Called by engine.save_checkpoint on every rank before the state is gathered."""
+        self.synchronize_for_checkpoint()
+
+    def comm_stats(self) -> dict:
+        """Bytes per axis; "shard" is the node axis of ZeRO 1/2 (the reduce-scatter and all-gather)."""
+        stats = super().comm_stats()
+        stats["shard"] = {key: stats["shard"][key] + value for key, value in self.node.stats().items()}
+        return stats
+
+    def reset_comm_stats(self) -> None:
+        super().reset_comm_stats()
+        if hasattr(self, "node"):
+            self.node.reset_stats()
+
+    @torch.no_grad()
+    def replicas_consistent(self) -> bool:
+        """True when every parameter is bitwise equal on every data-parallel rank (both axes)."""
+        if not super().replicas_consistent():
+            return False
+        if self.node.size == 1:
+            return True
+        hashes = torch.stack([bit_hash(local(p)) for p in self._slots()])
+        gathered = self.node.all_gather(hashes)
+        return bool((gathered == gathered[0]).all())
+
+
+class DeepSpeedDion(_EngineSide, Dion):
+    """Dion as DeepSpeed's client optimizer (built by `shardopt.deepspeed.initialize`)."""
+
+
+class DeepSpeedSignMuon(_EngineSide, SignMuon):
+    """Sign-Muon as DeepSpeed's client optimizer (built by `shardopt.deepspeed.initialize`)."""
+
+
+OPTIMIZERS = {"dion": DeepSpeedDion, "signmuon": DeepSpeedSignMuon}
+
+
+class AgreedOverflowCheck:
+    """Stands in for the fp16/bf16 wrapper's overflow check. The wrapper skips a step when that check
+    says so, or when its gradient norm is not finite; with local gradients the norm is local, so this
+    check asks the optimizer's own agreed non-finite test (a NaN/inf element or an overflowing norm on
+    any rank): every rank skips, or none does."""
+
+    def __init__(self, params, optimizer: ShardOptimizer):
+        self.params = list(params)
+        self.optimizer = optimizer
+
+    def check(self, param_groups=None) -> bool:
+        return self.optimizer.nonfinite_anywhere([p.grad for p in self.params if p.grad is not None])
