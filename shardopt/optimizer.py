@@ -191,8 +191,8 @@ class ShardOptimizer(torch.optim.Optimizer):
         return local(self.param_groups[0]["params"][0]).device
 
     def _agreed_gradients(self) -> set | None:
-        """The params every rank steps now (those with a gradient on some rank), or None when the
-        step is skipped for a non-finite gradient (nonfinite="raise" raises instead)."""
+        """The params every rank steps now (those with a gradient on some rank of the replicate and shard
+        axes), or None when the step is skipped for a non-finite gradient (nonfinite="raise" raises)."""
         params = [p for group in self.param_groups for p in group["params"]]
         grads = [local(p.grad) for p in params if p.grad is not None]
         flag = self._gradient_flag(grads, missing=len(grads) < len(params))
@@ -202,8 +202,8 @@ class ShardOptimizer(torch.optim.Optimizer):
         if flag == 0:
             return set(params)
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=self._device())
-        for axis in self.agreement_axes():
-            axis.all_reduce(has_grad, "max")
+        for axis in (self.replicate, self.shard):   # the axes whose ranks step the same params (a subclass's
+            axis.all_reduce(has_grad, "max")        # further agreement axes, e.g. ZeRO's node, may own others)
         return {p for p, anywhere in zip(params, has_grad.tolist()) if anywhere}
 
     def _report_nonfinite(self) -> None:
