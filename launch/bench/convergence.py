@@ -69,23 +69,13 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
     parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe",
-                        help="vocabulary: BPE-4096 (python integrations/data.py --tokenizer bpe) or bytes (256)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--eval-batches", type=int, default=8)
+    runs.add_model_arguments(parser)
     parser.add_argument("--run-timeout", type=float, default=3600.0)
     parser.add_argument("--work-dir", type=Path, default=runs.ROOT / "runs" / "convergence")
     parser.add_argument("--csv", type=Path, default=runs.ROOT / "results" / "convergence.csv")
     args = parser.parse_args()
     chosen = runs.select(runs.methods(args.n_embd), args.methods)
-    model = runs.model_args(args.tokenizer, args.steps, args.n_embd, args.n_layer, args.batch_size, args.block_size, args.eval_every,
-                            args.eval_batches, args.warmup)
+    model = runs.model_args(args)
     print(f"convergence: vocabulary {args.tokenizer}; 2 × 2 ranks; {args.steps} steps; "
           f"{len(chosen)} methods × {len(args.lr_factors)} lrs × {len(args.seeds)} seeds", flush=True)
     rows, curves, failed = [], {}, []

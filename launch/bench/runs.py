@@ -95,12 +95,27 @@ def select(all_methods: list[Method], names: list[str] | None) -> list[Method]:
     return [by_name[n] for n in names]
 
 
-def model_args(tokenizer: str, steps: int, n_embd: int, n_layer: int, batch_size: int, block_size: int,
-               eval_every: int, eval_batches: int, warmup: int) -> list[str]:
-    """Model, data and schedule options, the same for both entry points; log every step (median step time)."""
-    return ["--tokenizer", tokenizer, "--steps", str(steps), "--n-embd", str(n_embd), "--n-layer", str(n_layer), "--n-head", "4",
-            "--batch-size", str(batch_size), "--block-size", str(block_size), "--eval-every", str(eval_every),
-            "--eval-batches", str(eval_batches), "--warmup", str(warmup), "--log-every", "1"]
+def add_model_arguments(parser) -> None:
+    """The model, data and schedule options both drivers take (passed on by `model_args`)."""
+    parser.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe",
+                        help="vocabulary: BPE-4096 (python integrations/data.py --tokenizer bpe) or bytes (256)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--eval-batches", type=int, default=8)
+
+
+def model_args(args) -> list[str]:
+    """Model, data and schedule options (from `add_model_arguments`), the same for both entry points;
+    log every step (median step time)."""
+    return ["--tokenizer", args.tokenizer, "--steps", str(args.steps), "--n-embd", str(args.n_embd),
+            "--n-layer", str(args.n_layer), "--n-head", "4", "--batch-size", str(args.batch_size),
+            "--block-size", str(args.block_size), "--eval-every", str(args.eval_every),
+            "--eval-batches", str(args.eval_batches), "--warmup", str(args.warmup), "--log-every", "1"]
 
 
 def run_env() -> dict[str, str]:

@@ -111,16 +111,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
     parser.add_argument("--lr-from", type=Path, default=None,
                         help="a convergence CSV: each method at its best lr there (default: the method's default)")
-    parser.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe",
-                        help="vocabulary: BPE-4096 (python integrations/data.py --tokenizer bpe) or bytes (256)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--eval-batches", type=int, default=8)
+    runs.add_model_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--unlimited", choices=("all", "baseline"), default="all",
                         help="which methods also run without a link limit (rate_mbit inf): all (their compute-only "
@@ -135,8 +126,7 @@ def main() -> None:
     chosen = runs.select(runs.methods(args.n_embd), args.methods)
     baseline = runs.select(runs.methods(args.n_embd), ["ddp_adamw"])[0]
     lrs = best_lrs(args.lr_from) if args.lr_from else {}
-    model = runs.model_args(args.tokenizer, args.steps, args.n_embd, args.n_layer, args.batch_size, args.block_size, args.eval_every,
-                            args.eval_batches, args.warmup)
+    model = runs.model_args(args)
     prefix = os.environ.get("NETNS_PREFIX", "bench")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))   # so `finally` tears down
     ports = itertools.count(29650)
