@@ -4,10 +4,14 @@
     python launch/bench/convergence.py --steps 20 --lr-factors 1 --seeds 0 \\
         --csv results/convergence_smoke.csv              # a reduced-scale check
 
+    python launch/bench/convergence.py --seeds 0 --best-seeds 1   # 3 lrs at seed 0, the best lr also at seed 1
+
 Each run: torchrun --standalone with 2 × 2 ranks (two "nodes" of two ranks on this machine):
 shardopt's methods on a (replicate 2, shard 2) mesh, the DDP ones on 4 ranks with 2 ranks per node
 (so their bytes between the two groups of ranks count as replicate bytes). Learning rates: each
 method's default × --lr-factors. Every method sees the same batches (same seed → same data).
+A run whose folder under --runs-dir holds a finished run of the same command is read back, not rerun
+(slowlink.py reads the same folders: its unlimited runs at 2 procs per node are these runs).
 
     results/convergence.csv       method, lr, seed, steps, final_val_loss, replicate_bytes_total
                                   (bytes one rank sent between nodes over the whole run)
@@ -28,14 +32,23 @@ BEST_FIELDS = ["method", "lr", "seeds", "final_val_loss_mean", "final_val_loss_m
 
 
 def best_table(rows: list[dict]) -> list[dict]:
-    """Per method (in first-seen order), the lr with the lowest mean final val loss over its seeds."""
+    """Per method (in first-seen order), the lr with the lowest mean final val loss over the seeds every
+    lr of that method ran (so a seed run only at the best lr, --best-seeds, does not change the choice);
+    its statistics are over all its seeds."""
     by: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
         by.setdefault((row["method"], row["lr"]), []).append(row)
+    common: dict[str, set] = {}
+    for (method, _), group in by.items():
+        seeds = {r["seed"] for r in group}
+        common[method] = common[method] & seeds if method in common else seeds
+
+    def score(method: str, group: list[dict]) -> float:
+        return statistics.mean(float(r["final_val_loss"]) for r in group if r["seed"] in common[method])
+
     best: dict[str, list[dict]] = {}
     for (method, _), group in by.items():
-        mean = statistics.mean(float(r["final_val_loss"]) for r in group)
-        if method not in best or mean < statistics.mean(float(r["final_val_loss"]) for r in best[method]):
+        if method not in best or score(method, group) < score(method, best[method]):
             best[method] = group
     table = []
     for method, group in best.items():
@@ -69,34 +82,45 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
     parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--best-seeds", nargs="*", type=int, default=[],
+                        help="more seeds, run only at each method's best lr over --seeds (a cheaper second seed)")
     runs.add_model_arguments(parser)
     parser.add_argument("--run-timeout", type=float, default=3600.0)
-    parser.add_argument("--work-dir", type=Path, default=runs.ROOT / "runs" / "convergence")
+    parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS, help="one folder per run (reused when finished)")
     parser.add_argument("--csv", type=Path, default=runs.ROOT / "results" / "convergence.csv")
     args = parser.parse_args()
     chosen = runs.select(runs.methods(args.n_embd), args.methods)
     model = runs.model_args(args)
     print(f"convergence: vocabulary {args.tokenizer}; 2 × 2 ranks; {args.steps} steps; "
-          f"{len(chosen)} methods × {len(args.lr_factors)} lrs × {len(args.seeds)} seeds", flush=True)
+          f"{len(chosen)} methods × {len(args.lr_factors)} lrs × seeds {args.seeds}"
+          + (f", seeds {args.best_seeds} at the best lr" if args.best_seeds else ""), flush=True)
     rows, curves, failed = [], {}, []
+
+    def train(method: runs.Method, lr: str, seed: int) -> None:
+        out = runs.local_run_dir(args.runs_dir, method, float(lr), seed, 2)
+        try:
+            runs.run_local(method.command(float(lr), seed, out, model, 2, 2), 4, out / "log.txt", args.run_timeout,
+                           reuse=True)
+        except RuntimeError as error:          # one failed run does not end the campaign
+            failed.append(f"{method.name} lr {lr} seed {seed}: {str(error)[:200]}")
+            print(f"FAILED {failed[-1]}", flush=True)
+            return
+        summary = runs.summarize(runs.read_metrics(out))
+        rows.append({"method": method.name, "lr": lr, "seed": seed, "steps": summary.steps,
+                     "final_val_loss": f"{summary.final_val_loss:.4f}",
+                     "replicate_bytes_total": summary.replicate_bytes_total})
+        curves[(method.name, lr, seed)] = summary.curve
+        print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+        runs.write_csv(args.csv, runs.CONVERGENCE_FIELDS, rows)
+
     for method in chosen:
         for factor in args.lr_factors:
-            lr = f"{method.lr * factor:g}"
             for seed in args.seeds:
-                out = args.work_dir / f"{method.name.replace('/', '_')}_lr{lr}_seed{seed}"
-                try:
-                    runs.run_local(method.command(float(lr), seed, out, model, 2, 2), 4, out / "log.txt", args.run_timeout)
-                except RuntimeError as error:          # one failed run does not end the campaign
-                    failed.append(f"{method.name} lr {lr} seed {seed}: {str(error)[:200]}")
-                    print(f"FAILED {failed[-1]}", flush=True)
-                    continue
-                summary = runs.summarize(runs.read_metrics(out))
-                rows.append({"method": method.name, "lr": lr, "seed": seed, "steps": summary.steps,
-                             "final_val_loss": f"{summary.final_val_loss:.4f}",
-                             "replicate_bytes_total": summary.replicate_bytes_total})
-                curves[(method.name, lr, seed)] = summary.curve
-                print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-                runs.write_csv(args.csv, runs.CONVERGENCE_FIELDS, rows)
+                train(method, f"{method.lr * factor:g}", seed)
+        if args.best_seeds:
+            best = [entry for entry in best_table(rows) if entry["method"] == method.name]
+            for seed in args.best_seeds if best else []:
+                train(method, best[0]["lr"], seed)
     best = best_table(rows)
     best_csv = args.csv.with_name(args.csv.stem + "_best.csv")
     runs.write_csv(best_csv, BEST_FIELDS, best)
@@ -105,7 +129,7 @@ def main() -> None:
     plot(curves, best, png)
     print(f"wrote {args.csv}, {best_csv} and {png}")
     if failed:
-        raise SystemExit("these runs failed (their rows are missing; logs under --work-dir):\n" + "\n".join(failed))
+        raise SystemExit("these runs failed (their rows are missing; logs under --runs-dir):\n" + "\n".join(failed))
 
 
 if __name__ == "__main__":

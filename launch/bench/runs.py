@@ -25,6 +25,7 @@ FSDP_TRAIN = ROOT / "integrations" / "fsdp" / "train.py"
 DDP_TRAIN = ROOT / "launch" / "bench" / "train_ddp.py"
 TWONODE = ROOT / "launch" / "netns" / "twonode.sh"
 MULTINODE = ROOT / "launch" / "torchrun_multinode.sh"
+LOCAL_RUNS = ROOT / "runs" / "local"
 
 SLOWLINK_FIELDS = ["method", "rate_mbit", "procs_per_node", "lr", "steps", "step_ms", "replicate_bytes_per_step",
                    "wire_bytes_per_step", "time_to_target_s", "final_val_loss"]
@@ -99,8 +100,8 @@ def add_model_arguments(parser) -> None:
     """The model, data and schedule options both drivers take (passed on by `model_args`)."""
     parser.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe",
                         help="vocabulary: BPE-4096 (python integrations/data.py --tokenizer bpe) or bytes (256)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=64)
@@ -123,10 +124,29 @@ def run_env() -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def run_local(argv: list[str], nproc: int, log: Path, timeout_s: float) -> None:
-    """torchrun --standalone on this machine (no link limit)."""
+def local_run_dir(root: Path, method: "Method", lr: float, seed: int, procs_per_node: int) -> Path:
+    """Where a run on this machine (no link limit) lives; both drivers use it, so a run of convergence.py
+    (2 × 2 ranks) is slowlink.py's unlimited run at 2 procs per node and need not run twice."""
+    return Path(root) / f"{method.name.replace('/', '_')}_lr{lr:g}_seed{seed}_p{procs_per_node}"
+
+
+def finished(out_dir: Path, command: list[str]) -> bool:
+    """Whether out_dir holds a run that ended (its command.txt is this command and its done marker exists)."""
+    recorded, done = Path(out_dir) / "command.txt", Path(out_dir) / "done"
+    return done.exists() and recorded.exists() and recorded.read_text() == " ".join(command[1:])
+
+
+def run_local(argv: list[str], nproc: int, log: Path, timeout_s: float, reuse: bool = False) -> bool:
+    """torchrun --standalone on this machine (no link limit). With reuse, a finished run of the same
+    command in the log's folder is kept instead (returns False: not run again)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *argv]
+    if reuse and finished(log.parent, command):
+        return False
+    (log.parent / "done").unlink(missing_ok=True)
     _run([command], log, timeout_s)
+    (log.parent / "command.txt").write_text(" ".join(command[1:]))
+    (log.parent / "done").touch()
+    return True
 
 
 def run_two_nodes(argv: list[str], procs_per_node: int, prefix: str, port: int, log: Path, timeout_s: float) -> None:
