@@ -1,7 +1,7 @@
 """The one communication layer: every collective shardopt issues goes through an `Axis`.
 
-An Axis is one mesh axis — "replicate" (data parallel, slow links) or
-"shard" (weight parallel) — backed by a ProcessGroup. On an axis of size 1
+An Axis is one mesh axis — "replicate" (data parallel, slow links), "shard"
+(weight parallel, FSDP2) or "tensor" (tensor parallel) — backed by a ProcessGroup. On an axis of size 1
 every collective is a no-op that moves nothing. Each call counts the bytes
 this rank sends and receives with the volume of the standard algorithm
 (S = bytes of this rank's input, M = axis size):
@@ -27,7 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-AXIS_NAMES = ("replicate", "shard")
+AXIS_NAMES = ("replicate", "shard", "tensor")
 # renamed in torch 2.13 (the old names warn there); torch ≥ 2.6 has the old ones only
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

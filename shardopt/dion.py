@@ -1,17 +1,20 @@
 """Dion: low-rank power iteration with error feedback (docs/design.md §1).
 
 For a stack of k same-shape matrices, in the orientation B (a×b) where the
-shard axis splits b (see `MatrixLayout.transpose`), with local rows b_i:
+row splits (shard axis, tensor axis under ColwiseParallel) split b, and with
+columns split alone (tensor parallelism Shard(1)) the tensor axis splits b (see
+`MatrixLayout.transpose`); this rank holds the block B_ij, a_i × b_j (the a-axis,
+if any, splits a; the b-axes split b):
 
-    B ← M + G                                  (k, a, b_i)
-    P ← B·Q                                    (k, a, r)   shard: Σ over blocks; replicate: mean
-    P ← orthonormalize(P)
-    R ← Bᵀ·P                                   (k, b_i, r) replicate: mean
+    B ← M + G                                  (k, a_i, b_j)
+    P ← B·Q                                    (k, a_i, r) b-axes: Σ over blocks; replicate: mean
+    P ← orthonormalize(P)                      whole P: gathered over the a-axis when a is split
+    R ← Bᵀ·P                                   (k, b_j, r) a-axis: Σ over blocks; replicate: mean
                                                (P, R cross the replicate axis in `wire_dtype`,
                                                rounded first: every replica holds the same values,
                                                and the error feedback below uses them)
     M ← B − (1−μ)·P·Rᵀ                         error feedback, local to the replica
-    Q ← R / (‖R[:, j]‖₂ + ε)                   column norms summed over the shard axis
+    Q ← R / (‖R[:, j]‖₂ + ε)                   column norms summed over the b-axes
     X ← (1 − lr·wd)·X − lr·√(m/n)·P·Qᵀ         X is m×n (fan_out×fan_in)
 
 When low rank saves nothing on the wire (rank_fraction = 1 or (a+b)·r ≥ a·b)
@@ -38,6 +41,17 @@ def oriented_shape(layout: MatrixLayout) -> tuple[int, int]:
     return (n, m) if layout.transpose else (m, n)
 
 
+def oriented_block(layout: MatrixLayout) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((a_start, a_i), (b_start, b_j)): where this rank's block of B starts and its size, per side."""
+    rows, cols = (layout.row_start, layout.rows), (layout.col_start, layout.cols)
+    return (cols, rows) if layout.transpose else (rows, cols)
+
+
+def oriented_axes(layout: MatrixLayout) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(a-axes, b-axes): the axes that split a and b, outer first."""
+    return (layout.col_axes, layout.row_axes) if layout.transpose else (layout.row_axes, layout.col_axes)
+
+
 def rank_of(layout: MatrixLayout, group: dict) -> int:
     m, n = layout.shape
     return dion_rank(m, n, group["rank_fraction"], group["rank_multiple_of"])
@@ -52,29 +66,35 @@ def compressed(layout: MatrixLayout, group: dict) -> bool:
 
 def initial_q(layout: MatrixLayout, group: dict, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Q₀ ~ N(0, 1), b×r, drawn in float32 from torch.Generator().manual_seed(seed) on the CPU
-    (so every replica and every shard rank draws the same matrix), then this rank's rows of b."""
+    (so every replica, shard and tensor rank draws the same matrix), then this rank's rows of b."""
     a, b = oriented_shape(layout)
     generator = torch.Generator().manual_seed(seed)
     Q = torch.randn(b, rank_of(layout, group), generator=generator, dtype=torch.float32)
-    if layout.transpose:
-        Q = Q[layout.row_start:layout.row_start + layout.rows]
-    return Q.to(device=device, dtype=dtype)
+    _, (b_start, b_rows) = oriented_block(layout)
+    return Q[b_start:b_start + b_rows].to(device=device, dtype=dtype)
 
 
 def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
-    """momentum: zeros like X (a DTensor placed like X when X is one); Q: b×r, a DTensor with X's
-    row placement when the shard axis splits b; both in the group's state dtype."""
+    """momentum: zeros like X (a DTensor placed like X when X is one); Q: b×r, a DTensor placed
+    like X's b side (split like it over the b-axes, replicated over the a-axis) when X is split;
+    both in the group's state dtype."""
     dtype = state_dtype(group, param)
     Q = initial_q(layout, group, seed, dtype, local(param).device)
+    b_dim = 0 if layout.transpose else 1
     return {"momentum": torch.zeros_like(param, dtype=dtype),
-            "Q": like_param(param, Q, layout.shape[0]) if layout.sharded else Q}
+            "Q": like_param(param, Q, layout.shape[b_dim], b_dim) if layout.split else Q}
 
 
 def work_split(layout: MatrixLayout, group: dict, replicas: int) -> int:
-    """How many ranks share a bucket's orthonormalization: the shard ranks, times the replicas when
-    P crosses the replicate axis (compressed); on the fallback the replicate axis carries G, and
-    splitting there would add bytes."""
-    return len(layout.shard_rows) * (replicas if compressed(layout, group) else 1)
+    """How many ranks share a bucket's orthonormalization: the ranks of the innermost b-axis (the
+    shard ranks under FSDP2), times the replicas when P crosses the replicate axis (compressed); on
+    the fallback the replicate axis carries G, and splitting there would add bytes. None split it
+    when an axis splits a (`gathered_orthonormalize`: every rank orthonormalizes whole P)."""
+    a_axes, b_axes = oriented_axes(layout)
+    if a_axes:
+        return 1
+    inner = len(layout.axis_parts(b_axes[-1])) if b_axes else 1
+    return inner * (replicas if compressed(layout, group) else 1)
 
 
 def wire_dtype(group: dict) -> torch.dtype:
@@ -158,15 +178,43 @@ def exchange_orthonormalize(P: torch.Tensor, shard: Axis, replicate: Axis, avera
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int):
+def gathered_orthonormalize(P: torch.Tensor, a_axis: Axis, a_parts: tuple[int, ...], a_index: int, b_axes,
+                            replicate: Axis, average_replicas: bool, orthonormalize_whole, wire: torch.dtype):
+    """This rank's rows of orthonormalize(mean_replicas(Σ_b-axes P)) when an axis splits a (a generator).
+
+    P: (k, a_i, r), rows a_i of `a_parts` (rows per a-axis rank). Σ over each b-axis (all-reduce
+    sum), mean over the replicate axis in `wire` (only this rank's a_i rows cross it), then an
+    all-gather of the a-axis row blocks (padded to ⌈a/A⌉, in `wire` when the replicate mean rounded
+    them: lossless) gives every a-axis rank the whole P (k, a, r); each orthonormalizes it and keeps
+    its rows. A-axis bytes: (A−1)·k·⌈a/A⌉·r elements.
+    """
+    for axis in b_axes:
+        P = yield axis.all_reduce(P, "sum", async_op=True)
+    if average_replicas:
+        P = yield from replicate_mean(P, replicate, wire)
+    exchanged = P.to(wire) if average_replicas and replicate.size > 1 else P
+    rows = max(a_parts)
+    padded = torch.nn.functional.pad(exchanged, (0, 0, 0, rows - P.shape[1]))
+    blocks = yield a_axis.all_gather(padded, async_op=True)                        # (A, k, ⌈a/A⌉, r)
+    whole = torch.cat([block[:, :size] for block, size in zip(blocks, a_parts)], dim=1).to(P.dtype)
+    start = sum(a_parts[:a_index])
+    return orthonormalize_whole(whole)[:, start:start + a_parts[a_index]]
+
+
+def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int,
+         tensor: Axis | None = None):
     """One Dion step on a bucket of same-layout matrices (local tensors, updated in place).
-    A generator that yields each collective (schedule.overlap runs it).
+    A generator that yields each collective (schedule.overlap runs it). `tensor`: the tensor axis
+    (None: size 1).
 
     Working memory: one fp32 copy of the bucket's momenta (B, updated in place), k·(a + b)·r for
     P, Q, R, and one matrix's update at a time."""
+    axes = {"shard": shard, "tensor": tensor or Axis("tensor")}
+    a_names, b_names = oriented_axes(layout)
+    b_axes = [axes[name] for name in b_names]
     dtype = compute_dtype(params[0].dtype)
     low_rank = compressed(layout, group)
-    M = stack_as([s["momentum"] for s in states], dtype)            # (k, m_i, n), X's orientation
+    M = stack_as([s["momentum"] for s in states], dtype)            # (k, m_i, n_j), X's orientation
     if low_rank:
         for momentum, grad in zip(M, grads):
             momentum.add_(grad)
@@ -174,15 +222,27 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
         G = yield replicate.all_reduce(stack_as(grads, dtype), "mean", async_op=True)
         M += G
         del G
-    B = M.mT if layout.transpose else M                              # (k, a, b_i)
+    B = M.mT if layout.transpose else M                              # (k, a_i, b_j)
     Q = stack_as([s["Q"] for s in states], dtype)
 
     def orthonormalize_share(P):
         return orthonormalize(P, group["qr_method"], seed)
 
     wire = wire_dtype(group)
-    P = yield from exchange_orthonormalize(B @ Q, shard, replicate, low_rank, orthonormalize_share, wire)
+    if a_names:
+        a_axis = axes[a_names[0]]
+        parts = layout.axis_parts(a_names[0])
+        P = yield from gathered_orthonormalize(B @ Q, a_axis, parts, a_axis.rank, b_axes, replicate, low_rank,
+                                               orthonormalize_share, wire)
+    else:
+        P = B @ Q
+        for axis in b_axes[:-1]:                                     # the outer b-axis of FSDP2 over TP
+            P = yield axis.all_reduce(P, "sum", async_op=True)
+        P = yield from exchange_orthonormalize(P, b_axes[-1] if b_axes else Axis("shard"), replicate, low_rank,
+                                               orthonormalize_share, wire)
     R = B.mT @ P
+    if a_names:
+        R = yield axes[a_names[0]].all_reduce(R, "sum", async_op=True)
     if low_rank:
         R = yield from replicate_mean(R, replicate, wire)
     # error feedback B ← B − (1−μ)·P·Rᵀ, in place on M's memory (Mᵀ ← Mᵀ − (1−μ)·R·Pᵀ when transposed)
@@ -193,7 +253,9 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
     for state, momentum in zip(states, M):
         state["momentum"].copy_(momentum)
     del B, M
-    col_sq_norms = yield shard.all_reduce((R * R).sum(dim=-2), "sum", async_op=True)
+    col_sq_norms = (R * R).sum(dim=-2)
+    for axis in b_axes:
+        col_sq_norms = yield axis.all_reduce(col_sq_norms, "sum", async_op=True)
     Q = column_normalize(R, col_sq_norms, Q, group["epsilon"])
 
     m, n = layout.shape
@@ -201,7 +263,7 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
     scale = math.sqrt(m / n)
     for i, (param, state) in enumerate(zip(params, states)):
         state["Q"].copy_(Q[i])
-        update = P[i] @ Q[i].mT                                       # a×b_i
+        update = P[i] @ Q[i].mT                                       # a_i×b_j
         if layout.transpose:
             update = update.mT
         param.mul_(1 - lr * group["weight_decay"]).add_(update.to(param.dtype), alpha=-lr * scale)

@@ -19,7 +19,7 @@ from .checks import check_gradients, check_group_keys, check_options, check_stat
 from .clipping import clip_grad_norm_
 from .comm import Axis
 from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names, state_dtype, validate_group
-from .placement import derive_meshes, local
+from .placement import derive_meshes, local, tensor_split
 from .schedule import complete, overlap
 
 logger = logging.getLogger("shardopt")
@@ -40,6 +40,8 @@ class ShardOptimizer(torch.optim.Optimizer):
     replicate_mesh: 1-D DeviceMesh or ProcessGroup of the data-parallel replicas whose
         gradients this optimizer exchanges itself (nobody else may average them), or None.
     shard_mesh: 1-D DeviceMesh of the weight-parallel axis, or None.
+    tensor_mesh: 1-D DeviceMesh (or ProcessGroup) of the tensor-parallel axis, or None; like
+        shard_mesh derived from the params' placements when not given (shardopt/placement.py).
     seed: seeds Dion's Q₀ and Sign-Muon's tie-breaking coins; must be equal on all ranks.
     agreement_timeout_s: bound on the construction-time check that all ranks hold the same
         parameters and settings (a mismatch raises on every rank instead of hanging later).
@@ -66,7 +68,7 @@ class ShardOptimizer(torch.optim.Optimizer):
     matrix_algorithm = "dion"
     overlap_depth = 2   # bucket steps in flight: one bucket's collective overlaps the next one's compute
 
-    def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
+    def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, tensor_mesh=None, seed: int = 0,
                  agreement_timeout_s: float = 60.0, nonfinite: str = "skip", max_grad_norm: float = 0.0,
                  maximize: bool = False, foreach=None, fused=None, capturable=None, differentiable=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
@@ -86,9 +88,10 @@ class ShardOptimizer(torch.optim.Optimizer):
         self._param_label: dict[torch.Tensor, str] = {}
         super().__init__(params, {**DEFAULTS, **defaults, "maximize": maximize})
         labeled = list(self._param_label.items())
-        replicate_mesh, shard_mesh = derive_meshes(labeled, replicate_mesh, shard_mesh)
+        replicate_mesh, shard_mesh, tensor_mesh = derive_meshes(labeled, replicate_mesh, shard_mesh, tensor_mesh)
         self.replicate = Axis("replicate", replicate_mesh)
         self.shard = Axis("shard", shard_mesh)
+        self.tensor = Axis("tensor", tensor_mesh)
         self._check_ranks_agree(agreement_timeout_s)
         self.reset_comm_stats()
 
@@ -130,7 +133,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         fields = {"number of params": len(description), "param shapes/dtypes/placements": zlib.crc32("\n".join(description).encode()),
                   "group settings": zlib.crc32("\n".join(settings).encode()), "seed": self.seed,
                   "bucket_bytes": self.bucket_bytes}
-        for axis in (self.replicate, self.shard):
+        for axis in (self.replicate, self.shard, self.tensor):
             per_rank = axis.agree(list(fields.values()), timeout_s)
             for position, field in enumerate(fields):
                 values = [row[position] for row in per_rank]
@@ -160,8 +163,9 @@ class ShardOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip every rank's local gradients in place by one agreed factor; returns the agreed norm ν
         (a 0-d tensor, no device sync). See `shardopt.clipping.clip_grad_norm_`."""
-        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        return clip_grad_norm_(grads, max_norm, self.replicate, self.shard, self._device())
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return clip_grad_norm_([local(p.grad) for p in params], max_norm, self.replicate, self.shard, self._device(),
+                               self.tensor, [tensor_split(p) for p in params])
 
     def nonfinite_anywhere(self, grads: list[torch.Tensor]) -> bool:
         """True, on every rank alike, when any rank of either axis has a NaN/inf in its local `grads`
@@ -184,15 +188,15 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     def agreement_axes(self) -> tuple[Axis, ...]:
         """The axes over which every rank must take the same branch of a step."""
-        return (self.replicate, self.shard)
+        return (self.replicate, self.shard, self.tensor)
 
     def _device(self) -> torch.device:
         """Where this rank's small collectives live (its first param's device)."""
         return local(self.param_groups[0]["params"][0]).device
 
     def _agreed_gradients(self) -> set | None:
-        """The params every rank steps now (those with a gradient on some rank of the replicate and shard
-        axes), or None when the step is skipped for a non-finite gradient (nonfinite="raise" raises)."""
+        """The params every rank steps now (those with a gradient on some rank of the replicate, shard
+        and tensor axes), or None when the step is skipped for a non-finite gradient (nonfinite="raise" raises)."""
         params = [p for group in self.param_groups for p in group["params"]]
         grads = [local(p.grad) for p in params if p.grad is not None]
         flag = self._gradient_flag(grads, missing=len(grads) < len(params))
@@ -202,7 +206,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         if flag == 0:
             return set(params)
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=self._device())
-        for axis in (self.replicate, self.shard):   # the axes whose ranks step the same params (a subclass's
+        for axis in (self.replicate, self.shard, self.tensor):   # the axes whose ranks step the same params (a subclass's
             axis.all_reduce(has_grad, "max")        # further agreement axes, e.g. ZeRO's node, may own others)
         return {p for p, anywhere in zip(params, has_grad.tolist()) if anywhere}
 
@@ -255,7 +259,8 @@ class ShardOptimizer(torch.optim.Optimizer):
         init = MATRIX_INIT[algorithm]
         states = self._states(params, lambda p: init(p, layout, group, self._seed(p)))
         return MATRIX_STEPS[algorithm]([local(p) for p in params], _gradients(params, group), _local_states(states),
-                                group, layout, self.replicate, self.shard, self._step_seed(params[0], states[0]))
+                                group, layout, self.replicate, self.shard, self._step_seed(params[0], states[0]),
+                                tensor=self.tensor)
 
     def _scalar_step(self, params, group: dict):
         states = self._states(params, lambda p: scalar.init_state(p, group["algorithm"]))
@@ -305,11 +310,12 @@ class ShardOptimizer(torch.optim.Optimizer):
     # ---- distributed helpers ------------------------------------------------------------------
     def comm_stats(self) -> dict:
         """Bytes this rank sent/received and calls issued per axis since construction (or the last reset)."""
-        return {"replicate": self.replicate.stats(), "shard": self.shard.stats()}
+        return {"replicate": self.replicate.stats(), "shard": self.shard.stats(), "tensor": self.tensor.stats()}
 
     def reset_comm_stats(self) -> None:
         self.replicate.reset_stats()
         self.shard.reset_stats()
+        self.tensor.reset_stats()
 
     @torch.no_grad()
     def synchronize_for_checkpoint(self) -> None:
@@ -368,11 +374,12 @@ class Dion(ShardOptimizer):
     def __init__(self, params, lr: float = 0.01, mu: float = 0.95, rank_fraction: float = 1.0,
                  rank_multiple_of: int = 1, weight_decay: float = 0.01, epsilon: float = 1e-8,
                  qr_method: str = "qr", betas=(0.9, 0.95), wire_dtype=torch.bfloat16, vote: str = "auto",
-                 state_dtype=None, *, replicate_mesh=None, shard_mesh=None, **options):
+                 state_dtype=None, *, replicate_mesh=None, shard_mesh=None, tensor_mesh=None, **options):
         defaults = dict(lr=lr, mu=mu, rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
                         weight_decay=weight_decay, epsilon=epsilon, qr_method=qr_method, betas=betas,
                         wire_dtype=wire_dtype, vote=vote, state_dtype=state_dtype)
-        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, **options)
+        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh,
+                         tensor_mesh=tensor_mesh, **options)
 
 
 class SignMuon(ShardOptimizer):
@@ -391,9 +398,10 @@ class SignMuon(ShardOptimizer):
                  post_polar: bool = False, lr_scale: str = "none", weight_decay: float = 0.0,
                  betas=(0.9, 0.95), epsilon: float = 1e-8, ns_dtype: str | None = None, vote: str = "auto",
                  orthogonalize: str = "shard", wire_dtype=torch.float32, state_dtype=None, compile: bool = False,
-                 *, replicate_mesh=None, shard_mesh=None, **options):
+                 *, replicate_mesh=None, shard_mesh=None, tensor_mesh=None, **options):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, post_polar=post_polar,
                         lr_scale=lr_scale, weight_decay=weight_decay, betas=betas, epsilon=epsilon,
                         ns_dtype=ns_dtype, vote=vote, orthogonalize=orthogonalize, wire_dtype=wire_dtype,
                         state_dtype=state_dtype, compile=compile)
-        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh, **options)
+        super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh,
+                         tensor_mesh=tensor_mesh, **options)

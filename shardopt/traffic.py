@@ -1,13 +1,16 @@
 """Replicate-axis bytes per step, from the same formulas the communication layer counts with.
 
 One rank's bytes sent on the replicate axis for one optimizer step, per bucket of matrices or per
-element-wise group (M replicas, F shard ranks; `collective_bytes` is the ring formula of comm.py):
+element-wise group (M replicas; F ranks on the innermost axis splitting Dion's b side — the shard
+axis under FSDP2, the tensor axis under tensor parallelism `Shard(1)` alone; this rank's block of
+B is a_i × b_j, a_i = a unless an axis splits a; `collective_bytes` is the ring formula of comm.py):
 
 | algorithm | exchange | bytes |
 |---|---|---|
-| "dion", compressed | P (k, a/F, r), R (k, b_i, r) averaged in `wire_dtype` | AR(k·⌈a/F⌉·r·w) + AR(k·b_i·r·w) ¹ |
-| "dion", fallback / "muon" | gradient mean in the compute dtype (≥ fp32) | AR(k·m_i·n·4) |
-| "signmuon" | 1-bit (or int8) vote on k·m_i·n signs | vote_bytes(format, k·m_i·n, M) |
+| "dion", compressed, a whole | P (k, a/F, r), R (k, b_j, r) averaged in `wire_dtype` | AR(k·⌈a/F⌉·r·w) + AR(k·b_j·r·w) ¹ |
+| "dion", compressed, a split | P (k, a_i, r), R (k, b_j, r) averaged in `wire_dtype` | AR(k·a_i·r·w) + AR(k·b_j·r·w) |
+| "dion", fallback / "muon" | gradient mean in the compute dtype (≥ fp32) | AR(k·m_i·n_j·4) |
+| "signmuon" | 1-bit (or int8) vote on k·m_i·n_j signs | vote_bytes(format, k·m_i·n_j, M) |
 | "adamw" | gradient mean, one flat buffer per dtype | AR(n·itemsize) |
 | "lion" | vote on the n signs, one flat vote per dtype | vote_bytes(format, n, M) |
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .comm import collective_bytes
-from .dion import compressed, oriented_shape, rank_of, work_split
+from .dion import compressed, oriented_axes, oriented_block, oriented_shape, rank_of, work_split
 from .hyperparams import MATRIX_ALGORITHMS
 from .signmuon import work_split as signmuon_work_split
 from .buckets import DEFAULT_BUCKET_BYTES, capped_buckets
@@ -39,8 +42,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def matrix_bucket_bytes(group: dict, layout: MatrixLayout, count: int, dtype: torch.dtype, replicas: int) -> int:
     """Replicate-axis bytes of one bucket of `count` same-layout matrices of `group`."""
-    m, n = layout.shape
-    local_entries = count * layout.rows * n
+    local_entries = count * layout.rows * layout.cols
     compute_itemsize = _itemsize(torch.promote_types(dtype, torch.float32))
     algorithm = group["algorithm"]
     if algorithm == "signmuon":
@@ -48,10 +50,14 @@ def matrix_bucket_bytes(group: dict, layout: MatrixLayout, count: int, dtype: to
     if algorithm == "dion" and compressed(layout, group):
         a, _ = oriented_shape(layout)
         r = rank_of(layout, group)
-        b_local = layout.rows if layout.sharded else oriented_shape(layout)[1]
-        shard_size = len(layout.shard_rows)
-        a_piece = padded_length(a, shard_size) // shard_size
+        (_, a_local), (_, b_local) = oriented_block(layout)
         wire = _itemsize(getattr(torch, group["wire_dtype"]))
+        a_axes, b_axes = oriented_axes(layout)
+        if a_axes:
+            return (collective_bytes("all_reduce", count * a_local * r * wire, replicas)
+                    + collective_bytes("all_reduce", count * b_local * r * wire, replicas))
+        shard_size = len(layout.axis_parts(b_axes[-1])) if b_axes else 1
+        a_piece = padded_length(a, shard_size) // shard_size
         split = count - count % (shard_size * replicas)   # matrices whose orthonormalization is split:
         return (collective_bytes("all_reduce", split // shard_size * a * r * wire, replicas)   # RS + AG
                 + collective_bytes("all_reduce", (count - split) * a_piece * r * wire, replicas)

@@ -152,7 +152,7 @@ def _optimizer_options(cls, params: dict, name: str) -> dict:
     for function in (base.__init__, ShardOptimizer.__init__):
         for parameter in inspect.signature(function).parameters.values():
             if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and parameter.name not in (
-                    "self", "params", "defaults", "replicate_mesh", "shard_mesh") and parameter.name not in allowed:
+                    "self", "params", "defaults", "replicate_mesh", "shard_mesh", "tensor_mesh") and parameter.name not in allowed:
                 allowed.append(parameter.name)
     unknown = [key for key in params if key not in allowed]
     if unknown:
