@@ -1,0 +1,248 @@
+"""Tensor axis: tensor parallelism alone (Shard(1), ColwiseParallel Shard(0)), 2-D FSDP × TP
+((Shard(0), Shard(1)) and FSDP2 over a parallelize_module'd model, which places _StridedShard),
+3-D with a replicate dim.
+
+Every case runs on one gloo worker pool of 4 ranks and is checked against the float64
+references in tests/reference.py written from docs/design.md's equations; Dion's counted bytes
+per axis are checked against docs/design.md §9's formulas.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import reference
+import shardopt
+from shardopt.comm import collective_bytes
+from workers import WorkerPool
+
+# tall, wide, uneven columns over 2 (4, 3), an empty column shard (1, 0)
+SHAPES = [(24, 16), (16, 40), (18, 7), (5, 1)]
+
+# name → (mesh shape, mesh dim names, placements)
+CASES = {
+    "tp": ((2, 2), ("replicate", "tensor"), ("R", "S1")),              # RowwiseParallel, 2 replicas
+    "colwise": ((2, 2), ("replicate", "tensor"), ("R", "S0")),         # ColwiseParallel, 2 replicas
+    "fsdp_tp": ((2, 2), ("shard", "tensor"), ("S0", "S1")),            # 2-D FSDP × TP
+    "hsdp_tp": ((2, 1, 2), ("replicate", "shard", "tensor"), ("R", "S0", "S1")),   # 3-D, shard size 1
+}
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    pool = WorkerPool(4)
+    yield pool
+    pool.close()
+
+
+# ---- helpers run on the workers ---------------------------------------------------------------
+def _mesh(case):
+    from torch.distributed.device_mesh import init_device_mesh
+    shape, names, _ = CASES[case]
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _placed_params(case, shapes):
+    """float64 params (seeded) distributed over the case's mesh; returns (mesh, params, initial full tensors)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = _mesh(case)
+    placements = [{"R": Replicate(), "S0": Shard(0), "S1": Shard(1)}[p] for p in CASES[case][2]]
+    generator = torch.Generator().manual_seed(0)
+    initial = [torch.randn(*shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    params = [torch.nn.Parameter(distribute_tensor(x.clone(), mesh, placements)) for x in initial]
+    return mesh, params, initial
+
+
+def _strided_model():
+    """FSDP2 over a tensor-parallel model: Linear(6→10) ColwiseParallel (weight (10, 6): rows split over
+    tensor, then over shard: _StridedShard) and Linear(10→7) RowwiseParallel (weight (7, 10):
+    (Shard(0), Shard(1))), on a (shard 2, tensor 2) mesh. Returns (mesh, model, params, initial)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tensor"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10, bias=False), torch.nn.Linear(10, 7, bias=False)).double()
+    initial = [p.detach().clone() for p in model.parameters()]
+    parallelize_module(model, mesh["tensor"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["shard"])
+    return mesh, model, list(model.parameters()), initial
+
+
+def _setup(case, shapes=SHAPES):
+    """(mesh, params, initial, replica index, replicas) of a case."""
+    if case == "strided":
+        mesh, _, params, initial = _strided_model()
+    else:
+        mesh, params, initial = _placed_params(case, shapes)
+    names = mesh.mesh_dim_names
+    replica = mesh.get_local_rank("replicate") if "replicate" in names else 0
+    replicas = mesh.size(names.index("replicate")) if "replicate" in names else 1
+    return mesh, params, initial, replica, replicas
+
+
+def _replica_gradient(replica, step, index, shape):
+    generator = torch.Generator().manual_seed(10_000 * replica + 100 * step + index)
+    return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+
+def _block(full, layout):
+    """This rank's block of a full m×n tensor."""
+    return full[layout.row_start:layout.row_start + layout.rows, layout.col_start:layout.col_start + layout.cols]
+
+
+def _set_local_grads(params, replica, step):
+    from torch.distributed.tensor import DTensor
+    for index, param in enumerate(params):
+        layout = shardopt.placement.matrix_layout(param)
+        block = _block(_replica_gradient(replica, step, index, param.shape), layout).contiguous()
+        param.grad = DTensor.from_local(block, param.device_mesh, param.placements, run_check=False,
+                                        shape=param.shape, stride=param.stride())
+
+
+def _dion_bytes(layout, rank_fraction, wire_itemsize, sizes):
+    """docs/design.md §9: bytes one rank sends per axis in one Dion step of one matrix (a bucket of one),
+    fp64 compute (8 B). sizes: axis → size. Orientation B (a×b): rows split ⇒ B = Xᵀ."""
+    m, n = layout.shape
+    transpose = bool(layout.row_axes) or (not layout.col_axes and m < n)
+    a, b = (n, m) if transpose else (m, n)
+    a_i, b_j = (layout.cols, layout.rows) if transpose else (layout.rows, layout.cols)
+    a_axes, b_axes = (layout.col_axes, layout.row_axes) if transpose else (layout.row_axes, layout.col_axes)
+    r = shardopt.lowrank.dion_rank(m, n, rank_fraction, 1)
+    low_rank = rank_fraction < 1 and (a + b) * r < a * b
+    M = sizes["replicate"]
+    w = wire_itemsize if M > 1 else 8        # what an axis after the replicate mean carries
+    sent = dict.fromkeys(sizes, 0)
+
+    def add(axis, kind, nbytes):
+        sent[axis] += collective_bytes(kind, nbytes, sizes[axis])
+
+    if not low_rank:
+        add("replicate", "all_reduce", layout.rows * layout.cols * 8)                     # G mean
+    if a_axes:                                # P: Σ over b, replicate mean of a_i rows, all-gather over a
+        A = sizes[a_axes[0]]
+        for axis in b_axes:
+            add(axis, "all_reduce", a_i * r * 8)
+        if low_rank:
+            add("replicate", "all_reduce", a_i * r * wire_itemsize)
+        add(a_axes[0], "all_gather", -(-a // A) * r * (w if low_rank else 8))
+        add(a_axes[0], "all_reduce", b_j * r * 8)                                        # R: Σ over a
+    else:                                     # P: outer b-axis all-reduce, inner b-axis HSDP exchange
+        for axis in b_axes[:-1]:
+            add(axis, "all_reduce", a * r * 8)
+        F = sizes[b_axes[-1]]
+        if low_rank:
+            rows = -(-a // F) * F
+            add(b_axes[-1], "reduce_scatter", rows * r * 8)
+            add("replicate", "all_reduce", rows // F * r * wire_itemsize)
+            add(b_axes[-1], "all_gather", rows // F * r * w)
+        else:
+            add(b_axes[-1], "all_reduce", a * r * 8)
+    if low_rank:
+        add("replicate", "all_reduce", b_j * r * wire_itemsize)                          # R mean
+    for axis in b_axes:
+        add(axis, "all_reduce", r * 8)                                                   # column norms
+    return sent
+
+
+def _run_dion(case, rank_fraction, steps=10, wire_dtype="float32", pass_meshes=False):
+    mesh, params, initial, replica, replicas = _setup(case)
+    names = mesh.mesh_dim_names
+    hyper = dict(lr=0.02, mu=0.9, weight_decay=0.1)
+    meshes = {f"{name}_mesh": mesh[name] for name in names} if pass_meshes else {}
+    opt = shardopt.Dion(params, rank_fraction=rank_fraction, seed=3, wire_dtype=wire_dtype, **meshes, **hyper)
+    layouts = [shardopt.placement.matrix_layout(p) for p in params]
+    refs = []
+    for index, (X, layout) in enumerate(zip(initial, layouts)):
+        m, n = X.shape
+        r = shardopt.lowrank.dion_rank(m, n, rank_fraction, 1)
+        b = m if layout.transpose else n
+        refs.append([X, torch.zeros_like(X), reference.initial_q(b, r, reference.optimizer_param_seed(3, index))])
+    for step in range(steps):
+        _set_local_grads(params, replica, step)
+        opt.step()
+        for index, (ref, layout) in enumerate(zip(refs, layouts)):
+            G = sum(_replica_gradient(j, step, index, ref[0].shape) for j in range(replicas)) / replicas
+            refs[index] = list(reference.dion_step(ref[0], G, ref[1], ref[2], transpose=layout.transpose, **hyper))
+    errors = [((p.full_tensor() - ref[0]).norm() / ref[0].norm()).item() for p, ref in zip(params, refs)]
+    sizes = {"replicate": opt.replicate.size, "shard": opt.shard.size, "tensor": opt.tensor.size}
+    wire_itemsize = torch.empty(0, dtype=getattr(torch, wire_dtype)).element_size()
+    expected = dict.fromkeys(sizes, 0)
+    for layout in layouts:
+        for axis, sent in _dion_bytes(layout, rank_fraction, wire_itemsize, sizes).items():
+            expected[axis] += sent
+    expected = {axis: steps * (sent + collective_bytes("all_reduce", 4, sizes[axis]))   # + the non-finite flag
+                for axis, sent in expected.items()}
+    stats = opt.comm_stats()
+    return {"errors": errors, "full": torch.cat([p.full_tensor().reshape(-1) for p in params]),
+            "sent": {axis: stats[axis]["bytes_sent"] for axis in sizes}, "expected": expected,
+            "described": opt.replicate_bytes_per_step(), "consistent": opt.replicas_consistent(),
+            "layouts": [(l.row_axes, l.col_axes, l.rows, l.cols) for l in layouts]}
+
+
+def _run_signmuon(case, orthogonalize, steps=4):
+    mesh, params, initial, replica, replicas = _setup(case)
+    beta, lr = 0.8, 0.01
+    opt = shardopt.SignMuon(params, lr=lr, momentum=beta, orthogonalize=orthogonalize, vote="allreduce_int8",
+                            ns_dtype="float64")
+    layouts = [shardopt.placement.matrix_layout(p) for p in params]
+    X = [x.clone() for x in initial]
+    M = [[torch.zeros_like(x) for x in initial] for _ in range(replicas)]
+    for step in range(steps):
+        _set_local_grads(params, replica, step)
+        opt.step()
+        for index, (x, layout) in enumerate(zip(X, layouts)):
+            directions = []
+            for j in range(replicas):
+                M[j][index] = beta * M[j][index] + (1 - beta) * _replica_gradient(j, step, index, x.shape)
+                if orthogonalize == "full":
+                    directions.append(_block(reference.newton_schulz(M[j][index]), layout))
+                else:
+                    block = _block(M[j][index], layout)
+                    directions.append(reference.newton_schulz(block) if block.numel() else block)
+            _block(x, layout).sub_(lr * reference.vote_signs(directions))     # this rank's block of X
+    mismatch = max((shardopt.placement.local(p) - _block(x, layout)).abs().max().item() if shardopt.placement.local(p).numel() else 0.0
+                   for p, x, layout in zip(params, X, layouts))
+    stats = opt.comm_stats()
+    return {"mismatch": mismatch, "consistent": opt.replicas_consistent(),
+            "sent": {axis: stats[axis]["bytes_sent"] for axis in stats},
+            "sizes": {"shard": opt.shard.size, "tensor": opt.tensor.size}}
+
+
+# ---- tests -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["tp", "colwise", "fsdp_tp", "hsdp_tp", "strided"])
+@pytest.mark.parametrize("rank_fraction", [1.0, 0.25])
+def test_dion_tensor_parallel_matches_float64_and_bytes_equal_formulas(pool4, case, rank_fraction):
+    results = pool4.run(_run_dion, case, rank_fraction, 10, "float32", pass_meshes=case == "hsdp_tp")
+    errors = [max(r["errors"]) for r in results]
+    assert max(errors) <= 1e-6, [r["errors"] for r in results]
+    assert all(r["consistent"] for r in results)
+    assert all(torch.equal(r["full"], results[0]["full"]) for r in results)
+    for result in results:
+        assert result["sent"] == result["expected"], (result["sent"], result["expected"], result["layouts"])
+        steps, check = 10, collective_bytes("all_reduce", 4, 2 if case in ("tp", "colwise", "hsdp_tp") else 1)
+        assert steps * sum(result["described"]) + steps * check == result["sent"]["replicate"]
+
+
+@pytest.mark.parametrize("case", ["tp", "hsdp_tp"])
+def test_dion_tensor_parallel_bf16_wire(pool4, case):
+    results = pool4.run(_run_dion, case, 0.25, 10, "bfloat16")
+    assert max(max(r["errors"]) for r in results) <= 5e-5, [r["errors"] for r in results]
+    assert all(r["consistent"] for r in results)
+    for result in results:
+        assert result["sent"] == result["expected"]
+
+
+@pytest.mark.parametrize("case", ["tp", "colwise", "fsdp_tp", "strided"])
+@pytest.mark.parametrize("orthogonalize", ["shard", "full"])
+def test_signmuon_tensor_parallel_matches_float64(pool4, case, orthogonalize):
+    results = pool4.run(_run_signmuon, case, orthogonalize)
+    assert all(r["consistent"] for r in results)
+    assert max(r["mismatch"] for r in results) <= 1e-12, [r["mismatch"] for r in results]
+    if orthogonalize == "shard":   # the local block: no traffic besides the per-step non-finite flag
+        for result in results:
+            assert result["sent"]["tensor"] == 4 * collective_bytes("all_reduce", 4, result["sizes"]["tensor"])
+    else:
+        assert any(r["sent"]["tensor"] > 4 * collective_bytes("all_reduce", 4, 2) for r in results)
