@@ -117,6 +117,8 @@ CASES = {
                                    r"unknown keys 'dampening'"),
     # meshes
     "shard_mesh without DTensor params": (dion(shard_mesh=object()), r"shard_mesh was given but no parameter is a DTensor"),
+    "tensor_mesh without DTensor params": (dion(tensor_mesh=object()),
+                                           r"tensor_mesh was given but no parameter is a DTensor"),
     "replicate_mesh without torch.distributed": (dion(replicate_mesh=object()),
                                                  r"replicate_mesh was given but torch.distributed is not initialized"),
 }
