@@ -342,3 +342,27 @@ def test_unsupported_tensor_parallel_layouts_raise_clear_error(pool4, case, mess
     import re
     errors = pool4.run(_bad_tensor_input, case, timeout_s=60)
     assert all(e is not None and re.search(message, e) for e in errors), errors
+
+
+def _clip_tp(max_norm):
+    """Dion on 2 replicas × 2 tensor ranks with max_grad_norm: a Shard(1) matrix (split over the tensor
+    axis) and a vector whole on every tensor rank (an "adamw" group). The agreed norm must be the mean
+    over replicas of the whole model's gradient norm: the vector counted once, not once per tensor rank."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    mesh, params, _ = _placed_params("tp", [(6, 8)])
+    vector = torch.nn.Parameter(distribute_tensor(torch.randn(5, dtype=torch.float64), mesh, [Replicate(), Replicate()]))
+    opt = shardopt.Dion([{"params": params}, {"params": [vector], "algorithm": "adamw"}], max_grad_norm=max_norm,
+                        rank_fraction=0.5)
+    replica = mesh.get_local_rank("replicate")
+    _set_local_grads(params, replica, 0)
+    vector_grad = _replica_gradient(replica, 0, 7, (5,))
+    vector.grad = DTensor.from_local(vector_grad.clone(), mesh, vector.placements, run_check=False)
+    expected = sum(math.sqrt(_replica_gradient(r, 0, 0, (6, 8)).norm() ** 2 + _replica_gradient(r, 0, 7, (5,)).norm() ** 2)
+                   for r in range(2)) / 2
+    return opt.clip_grad_norm_(max_norm).item(), expected
+
+
+def test_clip_norm_counts_tensor_split_and_whole_gradients_once(pool4):
+    results = pool4.run(_clip_tp, 1.0)
+    for norm, expected in results:
+        assert abs(norm - expected) <= 1e-6 * expected, (norm, expected)
