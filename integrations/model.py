@@ -7,7 +7,8 @@ Shared by integrations/fsdp/train.py and integrations/deepspeed/train.py:
 
 The parameter names follow nanoGPT (transformer.wte, transformer.h.<i>.attn.c_attn, lm_head, ...)
 so that shardopt.param_groups(model) puts the four 2-D weights of each block in the matrix group
-and the embeddings (lm_head is tied to wte) and norms in the AdamW group.
+and the embeddings (lm_head is tied to wte) and norms in the AdamW group. `parallelize(model,
+tensor_mesh)` applies tensor parallelism to the blocks.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # (under tensor parallelism c_attn's output holds this rank's heads only: see `parallelize`)
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        q, k, v = (t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -106,3 +108,24 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def parallelize(model: GPT, tensor_mesh) -> None:
+    """Tensor parallelism (Megatron-style) over the 1-D `tensor_mesh` of T ranks, in place: in every
+    block ColwiseParallel on attn.c_attn and mlp.c_fc (rows split: each rank computes its heads and
+    its 4C/T hidden units), RowwiseParallel on attn.c_proj and mlp.c_proj (columns split, the output
+    all-reduced). Embeddings, norms and the head stay whole on every tensor rank. c_attn's rows are
+    first reordered from [q; k; v] to [q_0; k_0; v_0; q_1; …] (q_t: the rows of rank t's heads), so
+    that rank t's row block holds its heads' q, k and v: the function the model computes is
+    unchanged (a checkpoint stores c_attn in that order). Call before fully_shard."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    parts = tensor_mesh.size()
+    if model.config.n_head % parts:
+        raise ValueError(f"n_head={model.config.n_head} must be a multiple of the tensor-parallel size {parts}")
+    for block in model.transformer.h:
+        with torch.no_grad():
+            weight = block.attn.c_attn.weight
+            per_rank = [w.chunk(parts) for w in weight.chunk(3)]      # [q, k, v] → each split by heads
+            weight.copy_(torch.cat([torch.cat([qkv[t] for qkv in per_rank]) for t in range(parts)]))
+        parallelize_module(block, tensor_mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+                                                "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})

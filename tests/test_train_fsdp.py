@@ -31,7 +31,8 @@ def data_dir(tmp_path_factory):
 def train(data_dir, out_dir, *extra, nproc=2, timeout=180):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                str(TRAIN), "--data-dir", str(data_dir), "--out-dir", str(out_dir), *TINY, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # (PYTHONPATH: the workers import this checkout's shardopt, not an installed copy elsewhere)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert done.returncode == 0, f"train.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done.stdout
@@ -211,6 +212,21 @@ def test_checkpoint_resumes_on_another_mesh(data_dir, tmp_path, whole_runs):
     resumed = float(metrics(tmp_path)[-1]["val_loss"])
     reference = float(metrics(whole_runs(1, 2))[-1]["val_loss"])
     assert abs(resumed - reference) < 1e-3, (resumed, reference)
+
+
+def test_fsdp_over_tensor_parallel_trains_like_fsdp_alone(data_dir, tmp_path, whole_runs):
+    """--tp 2: every block tensor-parallel over 2 ranks under FSDP2 over 2 shard ranks (4 processes);
+    the layout works end to end (Dion on _StridedShard and (Shard(0), Shard(1)) weights, DCP checkpoints)
+    and the run follows the 1 × 2 run without TP: the same initial val loss (the model computes the same
+    function), and losses within 1e-3 (Dion's Q₀ of c_attn differs: its rows are stored reordered;
+    measured 1.4e-4 after 20 steps). AdamW on the matrices matched the 1 × 2 run to all 6 logged digits."""
+    output = train(data_dir, tmp_path, *DION, "--replicate", "1", "--shard", "2", "--tp", "2", nproc=4, timeout=300)
+    assert "mesh 1 replicate × 2 shard × 2 tensor" in output
+    rows, reference = metrics(tmp_path), metrics(whole_runs(1, 2))
+    assert rows[0]["val_loss"] == reference[0]["val_loss"]
+    for row, want in zip(rows[1:], reference[1:]):
+        assert abs(float(row["train_loss"]) - float(want["train_loss"])) <= 1e-3 * float(want["train_loss"])
+    assert (tmp_path / "checkpoints" / "step_000020" / ".metadata").exists()
 
 
 KILL_RUN = ["--optimizer", "signmuon", "--steps", "40", "--checkpoint-every", "10", "--replicate", "2", "--shard", "2",

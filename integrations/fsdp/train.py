@@ -4,8 +4,10 @@
     torchrun --standalone --nproc_per_node 4 integrations/fsdp/train.py \\
         --replicate 2 --shard 2 --optimizer dion --rank-fraction 0.25
 
-The world is a mesh of `--replicate` × `--shard` ranks. FSDP2 shards every block and the
-root over the shard axis (it reduce-scatters gradients there, as usual); nobody averages
+The world is a mesh of `--replicate` × `--shard` × `--tp` ranks. With --tp T > 1 every block is
+first tensor-parallel over the innermost T ranks (model.parallelize: ColwiseParallel on the
+q/k/v and fc weights, RowwiseParallel on the projections; the T ranks read the same batches).
+FSDP2 shards every block and the root over the shard axis (it reduce-scatters gradients there, as usual); nobody averages
 gradients over the replicate axis except the optimizer, which exchanges them in its own
 compressed form (Dion: low-rank factors; Sign-Muon: a 1-bit majority vote). Embeddings,
 norms and the (tied) output head use --scalar-algorithm: AdamW with a full-precision mean
@@ -70,6 +72,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
 parser.add_argument("--replicate", type=int, default=None, help="replicas (data parallel, optimizer-compressed); "
                     "default: world size / --shard")
 parser.add_argument("--shard", type=int, default=1, help="FSDP2 shard ranks per replica")
+parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per shard rank (innermost mesh dim)")
 parser.add_argument("--optimizer", choices=sorted(DEFAULT_LR), default="dion")
 parser.add_argument("--lr", type=float, default=None, help=f"lr of the 2-D weights; default by optimizer {DEFAULT_LR}")
 parser.add_argument("--scalar-algorithm", choices=("adamw", "lion"), default="adamw", help="embeddings, norms and "
@@ -134,11 +137,12 @@ if args.tensorboard:
 # ---- distributed set-up: a (replicate, shard) mesh ---------------------------------------------
 cuda = torch.cuda.is_available()
 world_size = int(os.environ.get("WORLD_SIZE", "1"))
-args.replicate = args.replicate or max(1, world_size // max(1, args.shard))
-if args.replicate < 1 or args.shard < 1 or args.replicate * args.shard != world_size:
-    parser.error(f"--replicate {args.replicate} × --shard {args.shard} = {args.replicate * args.shard} ranks, "
-                 f"but the world size is {world_size} (torchrun --nproc_per_node × --nnodes); "
-                 f"choose --replicate and --shard with product {world_size}")
+args.replicate = args.replicate or max(1, world_size // max(1, args.shard * args.tp))
+if args.replicate < 1 or args.shard < 1 or args.tp < 1 or args.replicate * args.shard * args.tp != world_size:
+    tp = f" × --tp {args.tp}" if args.tp != 1 else ""
+    parser.error(f"--replicate {args.replicate} × --shard {args.shard}{tp} = {args.replicate * args.shard * args.tp} "
+                 f"ranks, but the world size is {world_size} (torchrun --nproc_per_node × --nnodes); choose "
+                 f"--replicate, --shard{' and --tp' if tp else ''} with product {world_size}")
 if cuda:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 timeout = datetime.timedelta(seconds=args.timeout)
@@ -152,11 +156,13 @@ else:                      # plain `python train.py`: a world of one
     dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timeout)
 device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-mesh = init_device_mesh(device.type, (args.replicate, args.shard), mesh_dim_names=("replicate", "shard"))
+mesh = init_device_mesh(device.type, (args.replicate, args.shard, args.tp),
+                        mesh_dim_names=("replicate", "shard", "tensor"))
 rank = dist.get_rank()
+data_rank = rank // args.tp   # the tensor-parallel ranks of a shard rank read the same batches
 master = rank == 0
 print(f"rank {rank}/{world_size} on {os.uname().nodename}: replicate {mesh.get_local_rank('replicate')}, "
-      f"shard {mesh.get_local_rank('shard')}", flush=True)
+      f"shard {mesh.get_local_rank('shard')}, tensor {mesh.get_local_rank('tensor')}", flush=True)
 
 
 def log(message: str) -> None:
@@ -176,7 +182,7 @@ val_tokens = data.load(args.data_dir, "val")
 
 def batch(split: str, step: int):
     tokens = train_tokens if split == "train" else val_tokens
-    x, y = data.get_batch(tokens, args.batch_size, args.block_size, args.seed, step, rank, split)
+    x, y = data.get_batch(tokens, args.batch_size, args.block_size, args.seed, step, data_rank, split)
     return x.to(device), y.to(device)
 
 
@@ -186,18 +192,22 @@ model = GPT(GPTConfig(vocab_size=data.vocab_size(args.data_dir), block_size=args
                       n_head=args.n_head, n_embd=args.n_embd)).to(device)
 # (also when --shard is 1: the parameters are then DTensors all the same, so the optimizer state has
 # one layout at every mesh shape and a checkpoint resumes on a different --replicate × --shard)
+if args.tp > 1:
+    from model import parallelize
+    parallelize(model, mesh["tensor"])
 precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None, reduce_dtype=torch.float32)
 for block in model.transformer.h:
     fully_shard(block, mesh=mesh["shard"], mp_policy=precision)
 fully_shard(model, mesh=mesh["shard"], mp_policy=precision)
 log(f"model: {model.num_params():,} params, {args.n_layer} layers, width {args.n_embd}, context {args.block_size}; "
-    f"mesh {args.replicate} replicate × {args.shard} shard on {device.type}{', bf16 compute' if args.bf16 else ''}")
+    f"mesh {args.replicate} replicate × {args.shard} shard × {args.tp} tensor on {device.type}{', bf16 compute' if args.bf16 else ''}")
 
 # ---- optimizer: the 2-D weights get --optimizer, everything else --scalar-algorithm ----------------
 matrix_algorithm = "dion" if args.optimizer == "adamw" else args.optimizer
 groups = shardopt.param_groups(model, matrix_algorithm, args.scalar_algorithm,
                                scalar_options=dict(lr=args.scalar_lr, weight_decay=0.0, betas=tuple(args.scalar_betas)))
-meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed, max_grad_norm=args.clip)
+meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed, max_grad_norm=args.clip,
+              **(dict(tensor_mesh=mesh["tensor"]) if args.tp > 1 else {}))
 if args.optimizer == "dion":
     opt = shardopt.Dion(groups, lr=args.lr, mu=args.mu, rank_fraction=args.rank_fraction,
                         weight_decay=args.weight_decay, wire_dtype=args.wire_dtype, **meshes)
@@ -306,7 +316,7 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 
 
 # ---- training loop -----------------------------------------------------------------------------
-tokens_per_step = args.batch_size * args.block_size * args.grad_accum * dist.get_world_size()
+tokens_per_step = args.batch_size * args.block_size * args.grad_accum * dist.get_world_size() // args.tp
 end_step = min(args.steps, args.stop_at or args.steps)
 log(f"train: {args.optimizer} lr {args.lr:g}, steps {start_step + 1}..{end_step} of {args.steps}, "
     f"{tokens_per_step:,} tokens per step ({args.grad_accum} micro-batches), clip {args.clip or 'off'}, "
@@ -386,7 +396,8 @@ if master and totals["steps"]:
     summary = {
         "optimizer": args.optimizer, "scalar_algorithm": args.scalar_algorithm, "scalar_lr": args.scalar_lr,
         "scalar_betas": " ".join(map(str, args.scalar_betas)),
-        "tokenizer": args.tokenizer, "seed": args.seed, "replicate": args.replicate, "shard": args.shard, "lr": args.lr,
+        "tokenizer": args.tokenizer, "seed": args.seed, "replicate": args.replicate, "shard": args.shard,
+        **({"tp": args.tp} if args.tp > 1 else {}), "lr": args.lr,
         "rank_fraction": args.rank_fraction if args.optimizer == "dion" else "",
         "vote": resolve_vote(args.vote, max(p.to_local().numel() for p in groups[0]["params"]), args.replicate)
         if args.optimizer == "signmuon" else "",   # the wire format "auto" picks for the largest matrix
