@@ -18,8 +18,8 @@ import shardopt
 from shardopt.comm import collective_bytes
 from workers import WorkerPool
 
-# tall, wide, uneven columns over 2 (4, 3), an empty column shard (1, 0)
-SHAPES = [(24, 16), (16, 40), (18, 7), (5, 1)]
+# tall, wide, uneven columns over 2 (4, 3), an empty column shard (1, 0), an empty row shard (1, 0)
+SHAPES = [(24, 16), (16, 40), (18, 7), (5, 1), (1, 6)]
 
 # name → (mesh shape, mesh dim names, placements)
 CASES = {
