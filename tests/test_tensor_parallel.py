@@ -182,6 +182,25 @@ def _run_dion(case, rank_fraction, steps=10, wire_dtype="float32", pass_meshes=F
             "layouts": [(l.row_axes, l.col_axes, l.rows, l.cols) for l in layouts]}
 
 
+def _full_polar_bytes(layout, index):
+    """docs/design.md §2, orthogonalize="full" for a bucket of one matrix, fp32 wire: one stage per axis
+    splitting it, innermost first (rows over shard, rows over tensor, columns over tensor); the owner of
+    a stage is axis rank 0, and only the owners of the earlier stages still hold the matrix. At a stage a
+    holder that is not the owner sends its block; the owner sends the others' blocks back."""
+    m, n = layout.shape
+    held = [layout.rows, layout.cols]
+    stages = [(axis, 0) for axis in reversed(layout.row_axes)] + [(axis, 1) for axis in layout.col_axes]
+    sent = dict.fromkeys(("shard", "tensor"), 0)
+    holding = True
+    for axis, dim in stages:
+        before = held[0] * held[1]
+        held[dim] = (sum(layout.shard_rows) if axis == "shard" else m) if dim == 0 else n
+        if holding:
+            sent[axis] += 4 * (before if index[axis] != 0 else held[0] * held[1] - before)
+        holding = holding and index[axis] == 0
+    return sent
+
+
 def _run_signmuon(case, orthogonalize, steps=4):
     mesh, params, initial, replica, replicas = _setup(case)
     beta, lr = 0.8, 0.01
@@ -206,14 +225,13 @@ def _run_signmuon(case, orthogonalize, steps=4):
     mismatch = max((shardopt.placement.local(p) - _block(x, layout)).abs().max().item() if shardopt.placement.local(p).numel() else 0.0
                    for p, x, layout in zip(params, X, layouts))
     stats = opt.comm_stats()
-    # docs/design.md §9, one stage of full_polar per matrix (k = 1, owner: tensor rank 0, 4-byte wire):
-    # a non-owner sends its block to the owner, the owner sends every other rank's block back
-    whole = [layout.shape[0] * layout.shape[1] for layout in layouts]
-    own = [layout.rows * layout.cols for layout in layouts]
-    full_polar_bytes = 4 * sum(w - o if opt.tensor.rank == 0 else o for w, o in zip(whole, own))
+    full_polar_bytes = dict.fromkeys(("shard", "tensor"), 0)
+    for layout in layouts:
+        for axis, sent in _full_polar_bytes(layout, {"shard": opt.shard.rank, "tensor": opt.tensor.rank}).items():
+            full_polar_bytes[axis] += sent
     return {"mismatch": mismatch, "consistent": opt.replicas_consistent(), "full_polar_bytes": full_polar_bytes,
             "sent": {axis: stats[axis]["bytes_sent"] for axis in stats},
-            "sizes": {"shard": opt.shard.size, "tensor": opt.tensor.size}}
+            "sizes": {"shard": opt.shard.size, "tensor": opt.tensor.size}, "steps": steps}
 
 
 # ---- tests -----------------------------------------------------------------------------------
@@ -248,14 +266,11 @@ def test_signmuon_tensor_parallel_matches_float64(pool4, case, orthogonalize):
     results = pool4.run(_run_signmuon, case, orthogonalize)
     assert all(r["consistent"] for r in results)
     assert max(r["mismatch"] for r in results) <= 1e-12, [r["mismatch"] for r in results]
-    if orthogonalize == "shard":   # the local block: no traffic besides the per-step non-finite flag
-        for result in results:
-            assert result["sent"]["tensor"] == 4 * collective_bytes("all_reduce", 4, result["sizes"]["tensor"])
-    elif case in ("tp", "colwise"):   # one stage: tensor rank 0 owns each matrix (a bucket of one), fp32 wire
-        for result in results:
-            assert result["sent"]["tensor"] == 4 * (result["full_polar_bytes"] + collective_bytes("all_reduce", 4, 2))
-    else:
-        assert any(r["sent"]["tensor"] > 4 * collective_bytes("all_reduce", 4, 2) for r in results)
+    for result in results:   # per step: the non-finite flag, and with "full" the owner all-to-alls
+        for axis, size in result["sizes"].items():
+            per_step = collective_bytes("all_reduce", 4, size) + \
+                (result["full_polar_bytes"][axis] if orthogonalize == "full" else 0)
+            assert result["sent"][axis] == result["steps"] * per_step, (axis, result["sent"], result["full_polar_bytes"])
 
 
 def _autograd_strided(steps=3):
