@@ -28,7 +28,8 @@ from .buckets import compute_dtype, stack_as
 from .comm import Axis
 from .hyperparams import state_dtype
 from .lowrank import column_normalize, dion_rank, orthonormalize
-from .placement import MatrixLayout, like_param, local
+from .matrices import matrix_blocks, matrix_seed, param_matrices
+from .placement import MatrixLayout, dim0_shards, like_param, local
 from .signs import padded_length
 
 
@@ -61,13 +62,30 @@ def initial_q(layout: MatrixLayout, group: dict, seed: int, dtype: torch.dtype, 
     return Q.to(device=device, dtype=dtype)
 
 
-def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
-    """momentum: zeros like X (a DTensor placed like X when X is one); Q: b×r, a DTensor with X's
-    row placement when the shard axis splits b; both in the group's state dtype."""
+def q_shape(param: torch.Tensor, group: dict, label: str = "") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global, local) shape of a param's Q state: (*E, Σ_j b_j, max_j r_j) over its matrices j (the
+    blocks of one slab, shardopt/matrices.py): b×r for a 2-D param; the local rows follow the param's
+    dim 0 (rows, or experts) when the param is sharded."""
+    layouts = [block.layout for block in matrix_blocks(param, group, label)]
+    shape = (*param.shape[:-2], sum(oriented_shape(layout)[1] for layout in layouts),
+             max(rank_of(layout, group) for layout in layouts))
+    return shape, ((local(param).shape[0], *shape[1:]) if dim0_shards(param) else shape)
+
+
+def init_state(param: torch.Tensor, group: dict, seed: int) -> dict:
+    """momentum: zeros like X (a DTensor placed like X when X is one); Q (`q_shape`): matrix j's
+    block is `initial_q` from matrix_seed(seed, j) (this rank's rows of it), its padding columns
+    zero; a DTensor placed like X when X is sharded; both in the group's state dtype."""
     dtype = state_dtype(group, param)
-    Q = initial_q(layout, group, seed, dtype, local(param).device)
+    device = local(param).device
+    global_shape, local_shape = q_shape(param, group)
+    Q = torch.zeros(local_shape, dtype=dtype, device=device)
+    for matrix in param_matrices(param, group):
+        block = matrix.of_state(Q)
+        block[:, :rank_of(matrix.layout, group)] = initial_q(matrix.layout, group, matrix_seed(seed, matrix.index),
+                                                            dtype, device)
     return {"momentum": torch.zeros_like(param, dtype=dtype),
-            "Q": like_param(param, Q, layout.shape[0]) if layout.sharded else Q}
+            "Q": like_param(param, Q, global_shape[0]) if dim0_shards(param) else Q}
 
 
 def work_split(layout: MatrixLayout, group: dict, replicas: int) -> int:
@@ -175,7 +193,8 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
         M += G
         del G
     B = M.mT if layout.transpose else M                              # (k, a, b_i)
-    Q = stack_as([s["Q"] for s in states], dtype)
+    r = rank_of(layout, group)
+    Q = stack_as([s["Q"][:, :r] for s in states], dtype)            # (a split param's Q is padded to its largest r)
 
     def orthonormalize_share(P):
         return orthonormalize(P, group["qr_method"], seed)
@@ -200,7 +219,7 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
     lr = group["lr"]
     scale = math.sqrt(m / n)
     for i, (param, state) in enumerate(zip(params, states)):
-        state["Q"].copy_(Q[i])
+        state["Q"][:, :r].copy_(Q[i])
         update = P[i] @ Q[i].mT                                       # a×b_i
         if layout.transpose:
             update = update.mT

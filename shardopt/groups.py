@@ -12,6 +12,7 @@ from .traffic import describe
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm,
               nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)
 EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
+CONV_TYPES = (nn.modules.conv._ConvNd,)   # 3-D conv weights are kernels, not stacks of matrices
 HEAD_NAMES = ("lm_head", "output", "head", "classifier")
 
 
@@ -26,7 +27,8 @@ def _why_scalar(name: str, param: torch.Tensor, module: nn.Module, embedding_par
         return "embedding (or tied to one)"
     if isinstance(module, NORM_TYPES):
         return "norm"
-    if param.ndim != 2:
+    expert_stack = param.ndim == 3 and not isinstance(module, CONV_TYPES)   # (E, m, n): E matrices
+    if param.ndim != 2 and not expert_stack:
         return "bias" if name.endswith("bias") else f"{param.ndim}-D"
     if module_name.rsplit(".", 1)[-1] in head_names:
         return "output head"
@@ -37,11 +39,12 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algori
                  matrix_options: dict | None = None, scalar_options: dict | None = None,
                  head_names=HEAD_NAMES, scalar_names=(), verbose: bool = False,
                  replicas: int | None = None) -> list[dict]:
-    """Two param groups for a model: 2-D weights for `matrix_algorithm`, the rest for `scalar_algorithm`.
+    """Two param groups for a model: 2-D weights and 3-D expert stacks (E, m, n) for
+    `matrix_algorithm`, the rest for `scalar_algorithm`.
 
     Scalar (element-wise) params: embeddings and weights tied to them, output heads (module
-    named in `head_names`), norms, biases, every tensor that is not 2-D, and any whose name
-    contains a string in `scalar_names`. Each group carries "param_names" (so errors name
+    named in `head_names`), norms, biases, conv kernels, every other tensor that is not 2-D or
+    3-D, and any whose name contains a string in `scalar_names`. Each group carries "param_names" (so errors name
     parameters) and the options given for it (e.g. scalar_options={"lr": 3e-4}). The scalar group
     has no weight decay unless scalar_options sets "weight_decay" (norms, biases and embeddings
     are usually not decayed); the matrix group takes the optimizer's default.
