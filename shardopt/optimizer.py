@@ -41,7 +41,8 @@ DECOUPLED_MOMENTUM = {"dion": "momentum", "signmuon": "momentum", "muon": "momen
 
 class ShardOptimizer(torch.optim.Optimizer):
     """Base of Dion and SignMuon. Param groups choose their `algorithm`; groups without one get
-    the class's `matrix_algorithm`.
+    the class's `matrix_algorithm`. Matrix groups take 2-D weights and 3-D expert stacks (E, m, n),
+    and the option `split=(dim, sizes)` for fused projections (shardopt/matrices.py).
 
     replicate_mesh: 1-D DeviceMesh or ProcessGroup of the data-parallel replicas whose
         gradients this optimizer exchanges itself (nobody else may average them), or None.

@@ -247,14 +247,17 @@ def test_signmuon_experts_vote_per_expert_on_two_replicas(pool2):
     assert results[0]["ties"] > 0   # two replicas: abstentions were exercised
 
 
-def test_signmuon_experts_batch_with_same_shape_matrices():
+@pytest.mark.parametrize("algorithm", ["signmuon", "muon"])
+def test_experts_batch_with_same_shape_matrices(algorithm):
     """A (3, 6, 4) stack and a 6×4 matrix form one bucket of 4 matrices; the result equals the
-    stack and the matrix stepped in separate groups."""
+    stack and the matrix stepped in separate groups (Sign-Muon's vote, Muon's polar and scale)."""
     experts, matrix = _random((3, 6, 4), 1), _random((6, 4), 2)
     together = [nn.Parameter(experts.clone()), nn.Parameter(matrix.clone())]
     apart = [nn.Parameter(experts.clone()), nn.Parameter(matrix.clone())]
-    opt = shardopt.SignMuon(together, lr=0.01, ns_dtype="float64")
-    opt_apart = shardopt.SignMuon([{"params": [apart[0]]}, {"params": [apart[1]]}], lr=0.01, ns_dtype="float64")
+    options = dict(lr=0.01, ns_dtype="float64")
+    opt = shardopt.SignMuon([{"params": together, "algorithm": algorithm}], **options)
+    opt_apart = shardopt.SignMuon([{"params": [apart[0]], "algorithm": algorithm},
+                                   {"params": [apart[1]], "algorithm": algorithm}], **options)
     group = opt.param_groups[0]
     buckets = list(shardopt.buckets.capped_buckets(together, group, opt.bucket_bytes, lambda layout: 1))
     assert [len(bucket) for _, _, bucket in buckets] == [4]
