@@ -480,3 +480,22 @@ def test_param_groups_puts_expert_stacks_in_the_matrix_group_and_conv_kernels_ou
     matrix, scalar = shardopt.param_groups(model)
     assert matrix["param_names"] == ["experts", "proj.weight"]
     assert set(scalar["param_names"]) == {"proj.bias", "conv.weight", "conv.bias"}
+
+
+def test_param_groups_splits_give_fused_projections_their_own_group():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(N, D + 2 * D_KV)
+            self.out = nn.Linear(D, N)
+    model = nn.Sequential(Attention(), Attention())
+    groups = shardopt.param_groups(model, splits={"qkv": (0, (D, D_KV, D_KV))}, matrix_options={"rank_fraction": 0.5})
+    assert [g["param_names"] for g in groups[:2]] == [["0.out.weight", "1.out.weight"], ["0.qkv.weight", "1.qkv.weight"]]
+    assert groups[1]["split"] == (0, (D, D_KV, D_KV)) and groups[1]["rank_fraction"] == 0.5
+    opt = shardopt.Dion(groups)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    opt.step()
+    assert tuple(opt.state[model[0].qkv.weight]["Q"].shape) == (16, 4)
+    with pytest.raises(ValueError, match=r"splits \['attn.qkv'\] match no matrix parameter's name"):
+        shardopt.param_groups(model, splits={"attn.qkv": (0, (D, D_KV, D_KV))})
