@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .placement import MatrixLayout, dim0_shards
+from .placement import MatrixLayout, dim0_shards, matrix_layout
 
 GOLDEN = 0x9E3779B97F4A7C15   # 2⁶⁴/φ: spreads the seeds of a param's matrices
 
@@ -84,7 +84,8 @@ def split_sizes(param: torch.Tensor, group: dict, label: str = "") -> tuple[int,
     matrix_dims = (param.ndim - 2, param.ndim - 1)
     if dim not in matrix_dims and dim not in (-2, -1):
         raise ValueError(f"Invalid split {spec!r} for {where}: dim must be one of its matrix dims "
-                         f"{matrix_dims} (or -2, -1); dim 0 of a 3-D stack indexes whole matrices already")
+                         f"{matrix_dims} (or -2, -1)" + ("; dim 0 of a 3-D stack indexes whole matrices already"
+                                                         if param.ndim == 3 else ""))
     dim = dim - param.ndim if dim >= 0 else dim
     if sum(sizes) != param.shape[dim]:
         raise ValueError(f"Invalid split {spec!r} for {where}: the sizes sum to {sum(sizes)} but dim {dim} has "
@@ -106,6 +107,9 @@ def matrix_blocks(param: torch.Tensor, group: dict, label: str = "") -> list[Par
     """The matrices of one (m×n) slab of `param` (the param itself when 2-D, any expert when 3-D),
     in block order, with expert=None and index = block."""
     dim, sizes = split_sizes(param, group, label)
+    if param.ndim == 2 and len(sizes) == 1:   # one 2-D matrix: its layout as placement.py gives it
+        return [ParamMatrix(layout=matrix_layout(param), index=0, expert=None, rows=slice(None), cols=slice(None),
+                            state_rows=slice(None))]
     m, n = param.shape[-2:]
     shards = dim0_shards(param) if param.ndim == 2 else None   # a 3-D param's dim 0 is its experts
     blocks, start, state_start = [], 0, 0

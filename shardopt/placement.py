@@ -141,28 +141,32 @@ def _same_mesh(a, b) -> bool:
         and bool((a.mesh == b.mesh).all())
 
 
+def matrix_layout(param: torch.Tensor) -> MatrixLayout:
+    """Layout of a 2-D parameter: whole on this rank, or row-sharded over its shard mesh dim."""
+    m, n = param.shape
+    if not is_dtensor(param):
+        return MatrixLayout(shape=(m, n), shard_rows=(m,))
+    _, shard_dim = _placement_kinds(param, "")
+    if shard_dim is None:
+        return MatrixLayout(shape=(m, n), shard_rows=(m,))
+    mesh = param.device_mesh
+    parts = mesh.size(shard_dim)
+    layout = MatrixLayout(shape=(m, n), shard_rows=chunk_rows(m, parts), shard_index=mesh.get_local_rank(shard_dim),
+                          sharded=True)
+    assert param.to_local().shape[0] == layout.rows, (param.to_local().shape, layout)
+    return layout
+
+
 def dim0_shards(param: torch.Tensor) -> tuple[tuple[int, ...], int] | None:
-    """(dim-0 sizes held by each shard rank, this rank's shard index) of a `Shard(0)` DTensor,
-    or None for a tensor held whole on this rank."""
+    """(dim-0 sizes held by each shard rank, this rank's shard index) of a `Shard(0)` DTensor with any
+    number of dims (a 2-D param's rows, a 3-D stack's experts), or None for a tensor held whole on this rank."""
     if not is_dtensor(param):
         return None
     _, shard_dim = _placement_kinds(param, "")
     if shard_dim is None:
         return None
     mesh = param.device_mesh
-    sizes = chunk_rows(param.shape[0], mesh.size(shard_dim))
-    index = mesh.get_local_rank(shard_dim)
-    assert param.to_local().shape[0] == sizes[index], (param.to_local().shape, sizes, index)
-    return sizes, index
-
-
-def matrix_layout(param: torch.Tensor) -> MatrixLayout:
-    """Layout of a 2-D parameter: whole on this rank, or row-sharded over its shard mesh dim."""
-    m, n = param.shape
-    shards = dim0_shards(param)
-    if shards is None:
-        return MatrixLayout(shape=(m, n), shard_rows=(m,))
-    return MatrixLayout(shape=(m, n), shard_rows=shards[0], shard_index=shards[1], sharded=True)
+    return chunk_rows(param.shape[0], mesh.size(shard_dim)), mesh.get_local_rank(shard_dim)
 
 
 def like_param(param: torch.Tensor, local_tensor: torch.Tensor, global_rows: int) -> torch.Tensor:
