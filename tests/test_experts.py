@@ -331,6 +331,34 @@ def test_fused_qkv_split_equals_three_separate_params_fsdp_two_shards(pool2, alg
         assert all(r["weights"] == 0.0 for r in results)
 
 
+def _split_traffic(algorithm, steps=2):
+    """A fused QKV weight with split on 2 replicas: measured replicate bytes and the traffic formula."""
+    param = nn.Parameter(_random((D + 2 * D_KV, N), 0))
+    if algorithm == "dion":
+        opt = shardopt.Dion([{"params": [param], "split": (0, (D, D_KV, D_KV))}], rank_fraction=0.5,
+                            wire_dtype=torch.float32, replicate_mesh=dist.group.WORLD)
+    else:
+        opt = shardopt.SignMuon([{"params": [param], "split": (0, (D, D_KV, D_KV))}], lr=0.01,
+                                replicate_mesh=dist.group.WORLD)
+    for step in range(steps):
+        param.grad = _gradient(dist.get_rank(), step, 0, param.shape)
+        opt.step()
+    return opt.comm_stats()["replicate"]["bytes_sent"], steps * (sum(opt.replicate_bytes_per_step())
+                                                                 + nonfinite_check_bytes(2)), opt.replicas_consistent()
+
+
+@pytest.mark.parametrize("algorithm", ["dion", "signmuon"])
+def test_split_traffic_equals_formula_on_two_replicas(pool2, algorithm):
+    """Dion: the 8×8 Q block saves nothing at rank 4 ((8+8)·4 = 8·8: gradient mean, fp64,
+    AR(512 B) = 512 B), the 4×8 K and V blocks are compressed (a = 8, b = 4, r = 2, float32 wire, one
+    bucket of 2 split over the 2 replicas: AR(2·8·2·4) + AR(2·4·2·4) = 192 B), plus the non-finite check
+    (4 B): 708 B per step."""
+    for measured, formula, consistent in pool2.run(_split_traffic, algorithm):
+        assert measured == formula > 0 and consistent
+        if algorithm == "dion":
+            assert measured == 2 * 708
+
+
 def test_split_blocks_have_their_own_layouts_and_ranks():
     qkv = nn.Parameter(torch.zeros(D + 2 * D_KV, N))
     group = {"algorithm": "dion", "split": (0, (D, D_KV, D_KV)), "rank_fraction": 0.5, "rank_multiple_of": 1}
