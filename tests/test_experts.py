@@ -359,6 +359,49 @@ def test_split_traffic_equals_formula_on_two_replicas(pool2, algorithm):
             assert measured == 2 * 708
 
 
+def test_dion_expert_stack_with_column_split_matches_float64_reference_per_block():
+    """A (2, 6, 10) stack of fused gate/up projections, split (-1, (4, 6)): four matrices, 6×4 (tall,
+    b = 4, r = 2) and 6×6 (b = 6, r = 3), matrix e·2 + j seeded matrix_seed(param seed, e·2 + j)."""
+    X0 = _random((2, 6, 10), 5)
+    param = nn.Parameter(X0.clone())
+    opt = shardopt.Dion([{"params": [param], "split": (-1, (4, 6))}], rank_fraction=0.5, seed=SEED, **DION)
+    blocks = [slice(0, 4), slice(4, 10)]
+    refs = {}
+    for e in range(2):
+        for j, cols in enumerate(blocks):
+            Xb = X0[e][:, cols]
+            m, n = Xb.shape
+            Q = reference.initial_q(n, dion_rank(m, n, 0.5, 1),
+                                    reference.matrix_seed(reference.optimizer_param_seed(SEED, 0), 2 * e + j))
+            refs[e, j] = [Xb, torch.zeros_like(Xb), Q]
+    for step in range(4):
+        G = _gradient(0, step, 0, X0.shape)
+        param.grad = G.clone()
+        opt.step()
+        for (e, j), ref in refs.items():
+            refs[e, j] = list(reference.dion_step(ref[0], G[e][:, blocks[j]], ref[1], ref[2], transpose=False, **DION))
+    want = torch.stack([torch.cat([refs[e, 0][0], refs[e, 1][0]], dim=1) for e in range(2)])
+    assert ((param.detach() - want).norm() / want.norm()).item() <= 1e-6
+    assert tuple(opt.state[param]["Q"].shape) == (2, 4 + 6, 3)
+
+
+def test_signmuon_expert_stack_with_column_split_equals_separate_matrices():
+    X0 = _random((2, 6, 10), 5)
+    param = nn.Parameter(X0.clone())
+    separate = [nn.Parameter(X0[e][:, cols].clone()) for e in range(2) for cols in (slice(0, 4), slice(4, 10))]
+    options = dict(lr=0.01, ns_dtype="float64", lr_scale="unit_gain")   # (unit_gain: 1/√n per block)
+    opt = shardopt.SignMuon([{"params": [param], "split": (2, (4, 6))}], **options)
+    opt_separate = shardopt.SignMuon(separate, **options)
+    for step in range(3):
+        G = _gradient(0, step, 0, X0.shape)
+        param.grad = G.clone()
+        for p, (e, cols) in zip(separate, [(e, cols) for e in range(2) for cols in (slice(0, 4), slice(4, 10))]):
+            p.grad = G[e][:, cols].clone()
+        opt.step()
+        opt_separate.step()
+    assert torch.equal(param.detach(), torch.stack([torch.cat(separate[2 * e:2 * e + 2], dim=1) for e in range(2)]))
+
+
 def test_split_blocks_have_their_own_layouts_and_ranks():
     qkv = nn.Parameter(torch.zeros(D + 2 * D_KV, N))
     group = {"algorithm": "dion", "split": (0, (D, D_KV, D_KV)), "rank_fraction": 0.5, "rank_multiple_of": 1}
