@@ -86,9 +86,9 @@ def split_sizes(param: torch.Tensor, group: dict, label: str = "") -> tuple[int,
         raise ValueError(f"Invalid split {spec!r} for {where}: dim must be one of its matrix dims "
                          f"{matrix_dims} (or -2, -1)" + ("; dim 0 of a 3-D stack indexes whole matrices already"
                                                          if param.ndim == 3 else ""))
-    dim = dim - param.ndim if dim >= 0 else dim
+    given, dim = dim, (dim - param.ndim if dim >= 0 else dim)
     if sum(sizes) != param.shape[dim]:
-        raise ValueError(f"Invalid split {spec!r} for {where}: the sizes sum to {sum(sizes)} but dim {dim} has "
+        raise ValueError(f"Invalid split {spec!r} for {where}: the sizes sum to {sum(sizes)} but dim {given} has "
                          f"{param.shape[dim]} entries; give sizes that sum to {param.shape[dim]} (or put this "
                          f"param in a group without split)")
     if dim == -1 and param.ndim == 2 and dim0_shards(param) is not None:

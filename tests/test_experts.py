@@ -419,7 +419,7 @@ def test_split_blocks_have_their_own_layouts_and_ranks():
 
 # ---- bad split options --------------------------------------------------------------------------------
 @pytest.mark.parametrize("param_shape, split, match", [
-    ((16, 8), (0, (8, 4, 3)), r"Invalid split .*'attn.qkv.weight'.*sum to 15 but dim -2 has 16"),
+    ((16, 8), (0, (8, 4, 3)), r"Invalid split .*'attn.qkv.weight'.*sum to 15 but dim 0 has 16"),
     ((16, 8), (2, (8, 8)), r"Invalid split .*'attn.qkv.weight'.*dim must be one of its matrix dims \(0, 1\)"),
     ((3, 16, 8), (0, (1, 2)), r"Invalid split .*'attn.qkv.weight'.*\(1, 2\).*dim 0 of a 3-D stack"),
     ((16, 8), 8, r"Invalid split: 8 \(param group 0\); split must be a pair \(dim, sizes\)"),
