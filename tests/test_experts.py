@@ -310,6 +310,27 @@ def test_dion_hsdp_experts_and_matrices_match_reference_and_traffic(pool4):
     assert [r["local_experts"] for r in results] == [[2, 3], [1, 2], [2, 3], [1, 2]]
 
 
+def _uneven_shards_small_buckets(bucket_bytes, steps=2):
+    """Eight 18×64 float64 matrices row-sharded over 4 ranks (5, 5, 5, 3 rows) under a small bucket cap."""
+    mesh = _mesh(1, 4)
+    params = _params([_random((18, 64), i) for i in range(8)], mesh)
+    opt = shardopt.Dion(params, rank_fraction=0.25, seed=SEED, bucket_bytes=bucket_bytes)
+    for step in range(steps):
+        for index, param in enumerate(params):
+            _set_grad(param, _gradient(0, step, index, param.shape))
+        opt.step()
+    return torch.cat([_full(p).reshape(-1) for p in params])
+
+
+def test_uneven_shards_cut_buckets_alike_on_every_rank(pool4):
+    """A matrix counts at its largest shard (5·64·8 B), not at this rank's rows: with a 15,000 B cap
+    counting local rows would give ranks 0–2 buckets of 4 and rank 3 (3 rows) one of 8, whose
+    shard-axis collectives would not match."""
+    capped = pool4.run(_uneven_shards_small_buckets, 15_000, timeout_s=60)
+    uncapped = pool4.run(_uneven_shards_small_buckets, 2**24, timeout_s=60)
+    assert ((capped[0] - uncapped[0]).abs().max()).item() <= 1e-12
+
+
 # ---- fused projections -----------------------------------------------------------------------------
 @pytest.mark.parametrize("algorithm", ["dion", "signmuon"])
 def test_fused_qkv_split_equals_three_separate_params_single_process(algorithm):
