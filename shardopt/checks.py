@@ -11,9 +11,9 @@ import numbers
 
 import torch
 
-from .dion import oriented_block, oriented_shape, rank_of
+from .dion import q_shape
 from .hyperparams import validate_group
-from .placement import is_dtensor, local, matrix_layout
+from .placement import is_dtensor, local
 
 NONFINITE = ("skip", "raise")
 
@@ -99,10 +99,8 @@ def expected_state_shapes(param: torch.Tensor, group: dict, keys) -> dict:
     """{state key: (global shape, local shape)} of the tensors `keys` of `param`'s state."""
     shapes = {}
     for key in keys:
-        if key == "Q":   # b×r, rows split like the param's b side
-            layout = matrix_layout(param)
-            b, r = oriented_shape(layout)[1], rank_of(layout, group)
-            shapes[key] = ((b, r), (oriented_block(layout)[1][1], r))
+        if key == "Q":   # b×r (2-D), (*E, Σ b_j, max r_j) (3-D / split): dion.q_shape
+            shapes[key] = q_shape(param, group)
         else:            # momentum, exp_avg, exp_avg_sq: like the param
             shapes[key] = (tuple(param.shape), tuple(local(param).shape))
     return shapes

@@ -31,7 +31,8 @@ from .buckets import compute_dtype, stack_as
 from .comm import Axis
 from .hyperparams import state_dtype
 from .lowrank import column_normalize, dion_rank, orthonormalize
-from .placement import MatrixLayout, like_param, local
+from .matrices import matrix_blocks, matrix_seed, param_matrices
+from .placement import MatrixLayout, dim0_shards, like_param, local
 from .signs import padded_length
 
 
@@ -74,15 +75,42 @@ def initial_q(layout: MatrixLayout, group: dict, seed: int, dtype: torch.dtype, 
     return Q[b_start:b_start + b_rows].to(device=device, dtype=dtype)
 
 
-def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
-    """momentum: zeros like X (a DTensor placed like X when X is one); Q: b×r, a DTensor placed
-    like X's b side (split like it over the b-axes, replicated over the a-axis) when X is split;
-    both in the group's state dtype."""
+def q_shape(param: torch.Tensor, group: dict, label: str = "") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global, local) shape of a param's Q state. A 2-D param (one matrix): b×r, locally this rank's
+    block of b (split like X's b side over the shard / tensor axes). A 3-D stack or a `split` param
+    (its matrices j, the blocks of one slab, shardopt/matrices.py): (*E, Σ_j b_j, max_j r_j), the
+    local rows following the param's dim 0 (rows, or experts) when the param is sharded."""
+    blocks = matrix_blocks(param, group, label)
+    if param.ndim == 2 and group.get("split") is None:
+        layout = blocks[0].layout
+        b, r = oriented_shape(layout)[1], rank_of(layout, group)
+        return (b, r), (oriented_block(layout)[1][1], r)
+    layouts = [block.layout for block in blocks]
+    shape = (*param.shape[:-2], sum(oriented_shape(layout)[1] for layout in layouts),
+             max(rank_of(layout, group) for layout in layouts))
+    return shape, ((local(param).shape[0], *shape[1:]) if dim0_shards(param, label) else shape)
+
+
+def init_state(param: torch.Tensor, group: dict, seed: int) -> dict:
+    """momentum: zeros like X (a DTensor placed like X when X is one); Q (`q_shape`): matrix j's
+    block is `initial_q` from matrix_seed(seed, j) (this rank's rows of it), its padding columns
+    zero; when X is split, a DTensor placed like X's b side (a 2-D param: split like it over the
+    b-axes, replicated over the a-axis; otherwise like X's dim 0); both in the group's state dtype."""
     dtype = state_dtype(group, param)
-    Q = initial_q(layout, group, seed, dtype, local(param).device)
-    b_dim = 0 if layout.transpose else 1
-    return {"momentum": torch.zeros_like(param, dtype=dtype),
-            "Q": like_param(param, Q, layout.shape[b_dim], b_dim) if layout.split else Q}
+    device = local(param).device
+    global_shape, local_shape = q_shape(param, group)
+    Q = torch.zeros(local_shape, dtype=dtype, device=device)
+    matrices = param_matrices(param, group)
+    for matrix in matrices:
+        block = matrix.of_state(Q)
+        block[:, :rank_of(matrix.layout, group)] = initial_q(matrix.layout, group, matrix_seed(seed, matrix.index),
+                                                            dtype, device)
+    if param.ndim == 2 and group.get("split") is None:
+        layout = matrices[0].layout
+        Q = like_param(param, Q, global_shape[0], 0 if layout.transpose else 1) if layout.split else Q
+    elif dim0_shards(param):
+        Q = like_param(param, Q, global_shape[0])
+    return {"momentum": torch.zeros_like(param, dtype=dtype), "Q": Q}
 
 
 def work_split(layout: MatrixLayout, group: dict, replicas: int) -> int:
@@ -223,7 +251,8 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
         M += G
         del G
     B = M.mT if layout.transpose else M                              # (k, a_i, b_j)
-    Q = stack_as([s["Q"] for s in states], dtype)
+    r = rank_of(layout, group)
+    Q = stack_as([s["Q"][:, :r] for s in states], dtype)            # (a split param's Q is padded to its largest r)
 
     def orthonormalize_share(P):
         return orthonormalize(P, group["qr_method"], seed)
@@ -262,7 +291,7 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
     lr = group["lr"]
     scale = math.sqrt(m / n)
     for i, (param, state) in enumerate(zip(params, states)):
-        state["Q"].copy_(Q[i])
+        state["Q"][:, :r].copy_(Q[i])
         update = P[i] @ Q[i].mT                                       # a_i×b_j
         if layout.transpose:
             update = update.mT

@@ -12,6 +12,7 @@ from .traffic import describe
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm,
               nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm)
 EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
+CONV_TYPES = (nn.modules.conv._ConvNd,)   # 3-D conv weights are kernels, not stacks of matrices
 HEAD_NAMES = ("lm_head", "output", "head", "classifier")
 
 
@@ -26,7 +27,8 @@ def _why_scalar(name: str, param: torch.Tensor, module: nn.Module, embedding_par
         return "embedding (or tied to one)"
     if isinstance(module, NORM_TYPES):
         return "norm"
-    if param.ndim != 2:
+    expert_stack = param.ndim == 3 and not isinstance(module, CONV_TYPES)   # (E, m, n): E matrices
+    if param.ndim != 2 and not expert_stack:
         return "bias" if name.endswith("bias") else f"{param.ndim}-D"
     if module_name.rsplit(".", 1)[-1] in head_names:
         return "output head"
@@ -35,16 +37,20 @@ def _why_scalar(name: str, param: torch.Tensor, module: nn.Module, embedding_par
 
 def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algorithm: str = "adamw", *,
                  matrix_options: dict | None = None, scalar_options: dict | None = None,
-                 head_names=HEAD_NAMES, scalar_names=(), verbose: bool = False,
+                 head_names=HEAD_NAMES, scalar_names=(), splits: dict | None = None, verbose: bool = False,
                  replicas: int | None = None) -> list[dict]:
-    """Two param groups for a model: 2-D weights for `matrix_algorithm`, the rest for `scalar_algorithm`.
+    """Two param groups for a model: 2-D weights and 3-D expert stacks (E, m, n) for
+    `matrix_algorithm`, the rest for `scalar_algorithm`.
 
     Scalar (element-wise) params: embeddings and weights tied to them, output heads (module
-    named in `head_names`), norms, biases, every tensor that is not 2-D, and any whose name
-    contains a string in `scalar_names`. Each group carries "param_names" (so errors name
+    named in `head_names`), norms, biases, conv kernels, every other tensor that is not 2-D or
+    3-D, and any whose name contains a string in `scalar_names`. Each group carries "param_names" (so errors name
     parameters) and the options given for it (e.g. scalar_options={"lr": 3e-4}). The scalar group
     has no weight decay unless scalar_options sets "weight_decay" (norms, biases and embeddings
     are usually not decayed); the matrix group takes the optimizer's default.
+    splits: {name substring: (dim, sizes)}: the matrix params whose name contains the substring (the
+    first that matches) go to a matrix group of their own with that `split` (fused projections,
+    e.g. {"attn.qkv": (0, (d, d_kv, d_kv))}; shardopt/matrices.py); each must match some matrix param.
     With verbose=True, prints one line per group with its replicate-axis bytes per step at
     `replicas` replicas (see describe_groups). Groups with no params are left out.
     """
@@ -58,18 +64,25 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algori
     matrix = {"params": [], "param_names": [], "algorithm": matrix_algorithm, **(matrix_options or {})}
     scalar = {"params": [], "param_names": [], "algorithm": scalar_algorithm, "weight_decay": 0.0,
               **(scalar_options or {})}
+    split_groups = {pattern: {**matrix, "params": [], "param_names": [], "split": split}
+                    for pattern, split in (splits or {}).items()}
     reasons: dict[str, int] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         module = modules[name.rsplit(".", 1)[0]] if "." in name else model
         reason = _why_scalar(name, param, module, embedding_params, head_names, scalar_names)
-        target = matrix if reason is None else scalar
+        target = scalar if reason is not None else \
+            next((group for pattern, group in split_groups.items() if pattern in name), matrix)
         target["params"].append(param)
         target["param_names"].append(name)
         if reason is not None:
             reasons[reason] = reasons.get(reason, 0) + 1
-    groups = [g for g in (matrix, scalar) if g["params"]]
+    unmatched = [pattern for pattern, group in split_groups.items() if not group["params"]]
+    if unmatched:
+        raise ValueError(f"splits {unmatched} match no matrix parameter's name; matrix params: "
+                         f"{', '.join(matrix['param_names'][:8])}{' …' if len(matrix['param_names']) > 8 else ''}")
+    groups = [g for g in (matrix, *split_groups.values(), scalar) if g["params"]]
     if verbose:
         print(describe_groups(groups, reasons, replicas))
     return groups

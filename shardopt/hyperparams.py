@@ -28,6 +28,9 @@ DEFAULTS = {
     "epsilon": 1e-8,
     # matrix algorithms: dtype of the momentum (and Dion's Q); None = the param's dtype
     "state_dtype": None,
+    # matrix algorithms: (dim, sizes) cuts each matrix along dim into blocks stepped as matrices of
+    # their own (a fused QKV weight: (0, (d, d_kv, d_kv))); None = whole (shardopt/matrices.py)
+    "split": None,
     # Dion
     "mu": 0.95,
     "rank_fraction": 1.0,
@@ -50,11 +53,11 @@ DEFAULTS = {
 # Which keys each algorithm reads (validated only where read).
 KEYS = {
     "dion": ("lr", "weight_decay", "epsilon", "mu", "rank_fraction", "rank_multiple_of", "qr_method", "wire_dtype",
-             "state_dtype"),
+             "state_dtype", "split"),
     "signmuon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "post_polar",
-                 "lr_scale", "vote", "orthogonalize", "wire_dtype", "state_dtype", "compile"),
+                 "lr_scale", "vote", "orthogonalize", "wire_dtype", "state_dtype", "compile", "split"),
     "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "orthogonalize", "wire_dtype",
-             "state_dtype", "compile"),
+             "state_dtype", "compile", "split"),
     "adamw": ("lr", "weight_decay", "betas", "epsilon"),
     "lion": ("lr", "weight_decay", "betas", "vote"),
 }
@@ -139,6 +142,7 @@ def validate_group(group: dict, index: int, explicit_keys=()) -> None:
         "maximize": lambda: _flag(group, "maximize", index),
         "compile": lambda: _flag(group, "compile", index),
         "betas": lambda: _betas(group, index),
+        "split": lambda: _split(group, index),
     }
     for key in KEYS[algorithm] + COMMON_KEYS:
         checks[key]()
@@ -148,6 +152,24 @@ def state_dtype(group: dict, param: torch.Tensor) -> torch.dtype:
     """The dtype of a matrix param's optimizer state: the group's `state_dtype`, else the param's.
     The step computes in fp32 whatever the state dtype (shardopt.buckets.compute_dtype)."""
     return getattr(torch, group["state_dtype"]) if group.get("state_dtype") else param.dtype
+
+
+def _split(group, index):
+    """None, or (dim, sizes): dim an int, sizes a non-empty sequence of integers ≥ 1 (whether they fit
+    each param is checked with the param: shardopt.matrices.split_sizes)."""
+    split = group["split"]
+    if split is None:
+        return
+    example = "e.g. split=(0, (d, d_kv, d_kv)) for a fused QKV weight"
+    if not (isinstance(split, (tuple, list)) and len(split) == 2 and isinstance(split[1], (tuple, list))):
+        raise ValueError(f"Invalid split: {split!r} ({_where(index)}); split must be a pair (dim, sizes), {example}")
+    dim, sizes = split
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise ValueError(f"Invalid split: {split!r} ({_where(index)}); its dim must be an integer, {example}")
+    if not sizes or any(isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1
+                        for size in sizes):
+        raise ValueError(f"Invalid split: {split!r} ({_where(index)}); its sizes must be integers ≥ 1 (at least "
+                         f"one), {example}")
 
 
 def _betas(group, index):

@@ -2,8 +2,10 @@
 
 `ShardOptimizer` holds the two mesh axes and routes each param group to its
 algorithm: matrix algorithms ("dion", "signmuon", "muon") get buckets of
-same-layout matrices (one stacked call, one collective per bucket), the
-element-wise ones ("adamw", "lion") get the whole group.
+same-layout matrices (one stacked call, one collective per bucket; a param's
+matrices come from shardopt/matrices.py: a 2-D weight, each expert of a 3-D
+stack, each block of a `split` param), the element-wise ones ("adamw", "lion")
+get the whole group.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .checks import check_gradients, check_group_keys, check_options, check_stat
 from .clipping import clip_grad_norm_
 from .comm import Axis
 from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names, state_dtype, validate_group
+from .matrices import matrix_seed, param_matrices
 from .placement import derive_meshes, local, tensor_split
 from .schedule import complete, overlap
 
@@ -28,6 +31,9 @@ MATRIX_INIT = {"dion": dion.init_state, "signmuon": signmuon.init_state, "muon":
 # The tensors of each algorithm's per-param state (besides "step"); load_state_dict checks against it.
 STATE_KEYS = {"dion": ("momentum", "Q"), "signmuon": ("momentum",), "muon": ("momentum",),
               "adamw": ("exp_avg", "exp_avg_sq"), "lion": ("exp_avg",)}
+# state whose rows are each matrix's b side (dion.py), not the param's rows: a matrix's rows of it
+# are ParamMatrix.of_state (the rest of a matrix algorithm's state is shaped like the param)
+B_SIDE_STATE = ("Q",)
 MATRIX_SPLIT = {"dion": dion.work_split, "signmuon": signmuon.work_split, "muon": signmuon.work_split}
 # the state each replica keeps for itself (averaged by synchronize_for_checkpoint)
 DECOUPLED_MOMENTUM = {"dion": "momentum", "signmuon": "momentum", "muon": "momentum", "lion": "exp_avg"}
@@ -35,7 +41,8 @@ DECOUPLED_MOMENTUM = {"dion": "momentum", "signmuon": "momentum", "muon": "momen
 
 class ShardOptimizer(torch.optim.Optimizer):
     """Base of Dion and SignMuon. Param groups choose their `algorithm`; groups without one get
-    the class's `matrix_algorithm`.
+    the class's `matrix_algorithm`. Matrix groups take 2-D weights and 3-D expert stacks (E, m, n),
+    and the option `split=(dim, sizes)` for fused projections (shardopt/matrices.py).
 
     replicate_mesh: 1-D DeviceMesh or ProcessGroup of the data-parallel replicas whose
         gradients this optimizer exchanges itself (nobody else may average them), or None.
@@ -113,10 +120,8 @@ class ShardOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"param {label} of param group {index} ({group['algorithm']!r}) has dtype "
                                      f"{param.dtype}; shardopt optimizes floating-point tensors only (float32, "
                                      f"float64, bfloat16, float16)")
-                if group["algorithm"] in MATRIX_ALGORITHMS and param.ndim != 2:
-                    raise ValueError(f"param {label} with shape {tuple(param.shape)} is in a {group['algorithm']!r} "
-                                     f"group but is not 2-D; put it in an 'adamw' or 'lion' group "
-                                     f"(shardopt.param_groups(model) does this)")
+                if group["algorithm"] in MATRIX_ALGORITHMS:
+                    param_matrices(param, group, label)   # 2-D or 3-D, a `split` that fits (ValueError)
         except ValueError:
             self.param_groups.pop()   # a rejected group leaves nothing behind (docs/design.md §7)
             raise
@@ -230,20 +235,23 @@ class ShardOptimizer(torch.optim.Optimizer):
             if not params:
                 continue
             if group["algorithm"] in MATRIX_ALGORITHMS:
+                init = MATRIX_INIT[group["algorithm"]]   # every param gets state, also one with no local matrix
+                self._states(params, lambda p: init(p, group, self._seed(p)))
                 for layout, bucket in self._buckets(params, group):
                     yield self._matrix_step(bucket, group, layout)
             else:
                 yield self._scalar_step(params, group)
 
     def _buckets(self, params, group: dict):
-        """(layout, bucket) pairs: the params sharing (layout, dtype, device), in parameter order, cut
-        into buckets under `bucket_bytes` (shardopt/buckets.py)."""
+        """(layout, bucket) pairs: the (param, matrix) pairs sharing (layout, dtype, device), in
+        parameter order, cut into buckets under `bucket_bytes` (shardopt/buckets.py)."""
         split = MATRIX_SPLIT[group["algorithm"]]
-        for layout, _, bucket in capped_buckets(params, self.bucket_bytes,
+        for layout, _, bucket in capped_buckets(params, group, self.bucket_bytes,
                                                 lambda layout: split(layout, group, self.replicate.size)):
             yield layout, bucket
 
     def _states(self, params, init) -> list[dict]:
+        """Each param's state (made by init(param) on its first step), its step count advanced."""
         states = []
         for param in params:
             state = self.state[param]
@@ -254,18 +262,24 @@ class ShardOptimizer(torch.optim.Optimizer):
             states.append(state)
         return states
 
-    def _matrix_step(self, params, group: dict, layout):
-        algorithm = group["algorithm"]
-        init = MATRIX_INIT[algorithm]
-        states = self._states(params, lambda p: init(p, layout, group, self._seed(p)))
-        return MATRIX_STEPS[algorithm]([local(p) for p in params], _gradients(params, group), _local_states(states),
-                                group, layout, self.replicate, self.shard, self._step_seed(params[0], states[0]),
-                                tensor=self.tensor)
+    def _matrix_step(self, bucket, group: dict, layout):
+        """The step generator of a bucket of (param, ParamMatrix) pairs: the algorithm sees each
+        matrix's 2-D views of the param, its gradient and its state, and the shard and tensor axes;
+        the layout says which of them split the matrix (a whole matrix — a 2-D param held whole, a
+        local expert — joins no shard- or tensor-axis collective: those ranks hold other matrices)."""
+        params = [param for param, _ in bucket]
+        matrices = [matrix for _, matrix in bucket]
+        states = [{key: (matrix.of_state if key in B_SIDE_STATE else matrix.of)(local(value))
+                   for key, value in self.state[param].items() if key != "step"} for param, matrix in bucket]
+        seed = self._step_seed(params[0], matrices[0].index)
+        return MATRIX_STEPS[group["algorithm"]]([matrix.of(local(p)) for p, matrix in bucket],
+                                                _gradients(params, group, matrices), states, group, layout,
+                                                self.replicate, self.shard, seed, tensor=self.tensor)
 
     def _scalar_step(self, params, group: dict):
         states = self._states(params, lambda p: scalar.init_state(p, group["algorithm"]))
         return scalar.step([local(p) for p in params], _gradients(params, group), _local_states(states), group,
-                    self.replicate, self._step_seed(params[0], states[0]))
+                    self.replicate, self._step_seed(params[0]))
 
     def _seed(self, param) -> int:
         return (self.seed * 1_000_003 + self._param_index[param]) % 2**63
@@ -289,9 +303,11 @@ class ShardOptimizer(torch.optim.Optimizer):
                     self.state[param][key] = value.to(device=self.state[param][key].device,
                                                       dtype=state_dtype(group, param), copy=True)
 
-    def _step_seed(self, first_param, first_state) -> int:
-        """The seed of one bucket's coins at this step: equal on every rank, new every step."""
-        return (self._seed(first_param) * 1_000_003 + int(first_state["step"])) % 2**63
+    def _step_seed(self, first_param, first_matrix: int = 0) -> int:
+        """The seed of one bucket's coins at this step: equal on every rank, new every step; from the
+        bucket's first param and the index of its first matrix there (matrices.matrix_seed)."""
+        step = int(self.state[first_param]["step"])
+        return (matrix_seed(self._seed(first_param), first_matrix) * 1_000_003 + step) % 2**63
 
     # ---- traffic ------------------------------------------------------------------------------
     def replicate_bytes_per_step(self, replicas: int | None = None) -> list[int]:
@@ -340,10 +356,14 @@ class ShardOptimizer(torch.optim.Optimizer):
         return bool((gathered == gathered[0]).all())
 
 
-def _gradients(params, group: dict) -> list[torch.Tensor]:
-    """The local gradients a step reads: g, or −g (new tensors) when the group maximizes; zeros where
-    this rank has none (another rank has one, so this rank still joins the bucket's collectives)."""
-    grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
+def _gradients(params, group: dict, matrices=None) -> list[torch.Tensor]:
+    """The local gradients a step reads (with `matrices`, each param's ParamMatrix: that matrix's view
+    of it): g, or −g (new tensors) when the group maximizes; zeros where this rank has none (another
+    rank has one, so this rank still joins the bucket's collectives)."""
+    grads = []
+    for param, matrix in zip(params, matrices or [None] * len(params)):
+        view = matrix.of if matrix is not None else (lambda tensor: tensor)
+        grads.append(view(local(param.grad)) if param.grad is not None else torch.zeros_like(view(local(param))))
     return torch._foreach_neg(grads) if group["maximize"] else grads
 
 

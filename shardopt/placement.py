@@ -74,6 +74,18 @@ class MatrixLayout:
         return sum(self.tensor_cols[:self.tensor_index])
 
     @property
+    def largest_block(self) -> tuple[int, int]:
+        """(rows, cols) of the largest local block any rank holds — the same on every rank. shard_rows
+        lists every shard rank's rows of this tensor rank's row block; under a tensor row split the
+        blocks are torch.chunk's, whose first part, ceil(block/F), grows with the block."""
+        if self.tensor_rows:
+            block = max(self.tensor_rows)
+            rows = -(-block // len(self.shard_rows)) if self.sharded else block
+        else:
+            rows = max(self.shard_rows)
+        return rows, max(self.tensor_cols) if self.tensor_cols else self.shape[1]
+
+    @property
     def row_axes(self) -> tuple[str, ...]:
         """The axes that split the rows, outer first: (), ("shard",), ("tensor",) or ("tensor", "shard")."""
         return ("tensor",) * bool(self.tensor_rows) + ("shard",) * self.sharded
@@ -257,13 +269,24 @@ def tensor_split(param) -> bool:
     return "tensor" in roles.row_axes + roles.col_axes
 
 
-def matrix_buckets(params) -> dict:
-    """(layout, dtype, device) → the params that share them (one bucket: one stacked step, one
-    collective per exchange), in parameter order."""
-    buckets: dict = {}
-    for param in params:
-        buckets.setdefault((matrix_layout(param), param.dtype, param.device), []).append(param)
-    return buckets
+def dim0_shards(param: torch.Tensor, label: str = "") -> tuple[tuple[int, ...], int] | None:
+    """(dim-0 sizes held by each shard rank, this rank's shard index) of a DTensor whose dim 0 the
+    shard axis alone splits (`Shard(0)`, any number of dims: a 2-D param's rows, a 3-D stack's
+    experts), or None for a tensor held whole on this rank. A tensor-parallel split is not
+    expressible here: ValueError naming the param (3-D stacks and `split` params take FSDP2 / expert
+    parallelism only)."""
+    if not is_dtensor(param):
+        return None
+    roles = _roles(param, label)
+    if roles.tensor is not None and "tensor" in roles.row_axes + roles.col_axes:
+        raise ValueError(f"param {label} with shape {tuple(param.shape)} is placed {param.placements}: tensor "
+                         f"parallelism is supported on 2-D weights without a `split` only; shard 3-D expert "
+                         f"stacks with Shard(0) (FSDP2 or expert parallelism), and keep split params off the "
+                         f"tensor mesh (or drop their `split`)")
+    if "shard" not in roles.row_axes:
+        return None
+    mesh = param.device_mesh
+    return chunk_rows(param.shape[0], mesh.size(roles.shard)), mesh.get_local_rank(roles.shard)
 
 
 def like_param(param: torch.Tensor, local_tensor: torch.Tensor, global_rows: int, param_dim: int = 0) -> torch.Tensor:

@@ -31,7 +31,8 @@ from .polar import polar
 from .vote import resolve_vote, vote_exchange
 
 
-def init_state(param: torch.Tensor, layout: MatrixLayout, group: dict, seed: int) -> dict:
+def init_state(param: torch.Tensor, group: dict, seed: int) -> dict:
+    """momentum: zeros like the param (all its matrices: shardopt/matrices.py)."""
     return {"momentum": torch.zeros_like(param, dtype=state_dtype(group, param))}
 
 

@@ -17,6 +17,8 @@ B is a_i × b_j, a_i = a unless an axis splits a; `collective_bytes` is the ring
 plus, once per step, the non-finite check: AR(4). AR(x) = 2·x·(M−1)/M. `group_bytes` applies
 these to a param group's buckets as the optimizer forms them (buckets.capped_buckets, under
 `bucket_bytes`), so a measured `comm_stats()` equals them exactly (every param with a gradient).
+A bucket holds matrices (shardopt/matrices.py): a 3-D expert stack counts its local experts, a
+`split` param its blocks, each with its own layout (m_i, n, r, a, b_i are the matrix's).
 ¹ The k_s = k − k mod (F·M) matrices whose orthonormalization is split over the ranks send P as
 a reduce-scatter plus an all-gather of whole matrices, AR(k_s/F·a·r·w): the same bytes when F
 divides a (no padding), fewer otherwise.
@@ -92,7 +94,7 @@ def group_bytes(group: dict, replicas: int, bucket_bytes: int = DEFAULT_BUCKET_B
     if group["algorithm"] in MATRIX_ALGORITHMS:
         split = work_split if group["algorithm"] == "dion" else signmuon_work_split
         return sum(matrix_bucket_bytes(group, layout, len(bucket), dtype, replicas)
-                   for layout, dtype, bucket in capped_buckets(params, bucket_bytes,
+                   for layout, dtype, bucket in capped_buckets(params, group, bucket_bytes,
                                                                lambda layout: split(layout, group, replicas)))
     numel: dict = {}
     for param in params:

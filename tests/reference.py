@@ -58,3 +58,9 @@ def vote_signs(directions: list[torch.Tensor]) -> torch.Tensor:
     """sign(Σ_i sign(U_i)) with sign(0) = +1 inside, 0 on ties; float64."""
     total = sum(torch.where(U >= 0, 1, -1) for U in directions)
     return torch.sign(total).double()
+
+
+def matrix_seed(param_seed: int, index: int) -> int:
+    """The seed of matrix `index` of a param (expert·blocks + block) as shardopt documents it:
+    (param_seed + index·0x9E3779B97F4A7C15) mod 2⁶³ (matrix 0 keeps the param's seed)."""
+    return (param_seed + index * 0x9E3779B97F4A7C15) % 2**63

@@ -381,3 +381,42 @@ def test_clip_norm_counts_tensor_split_and_whole_gradients_once(pool4):
     results = pool4.run(_clip_tp, 1.0)
     for norm, expected in results:
         assert abs(norm - expected) <= 1e-6 * expected, (norm, expected)
+
+
+def _uneven_strided_buckets(bucket_bytes, steps=3):
+    """Four ColwiseParallel Linear(6→9) weights under FSDP2 on a (shard 2, tensor 2) mesh: rows (5, 4) over
+    tensor, then (3, 2) / (2, 2) over shard, so tensor rank 0 holds 3×6 and tensor rank 1 2×6 blocks.
+    With a small bucket_bytes both tensor ranks must cut the same buckets (they join the same
+    collectives). Dion (rank_fraction 0.5) against the float64 reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tensor"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(6, 9, bias=False) for _ in range(4))).double()
+    initial = [p.detach().clone() for p in model.parameters()]
+    parallelize_module(model, mesh["tensor"], {str(i): ColwiseParallel() for i in range(4)})
+    fully_shard(model, mesh=mesh["shard"])
+    params = list(model.parameters())
+    hyper = dict(lr=0.02, mu=0.9, weight_decay=0.1)
+    opt = shardopt.Dion(params, rank_fraction=0.5, seed=3, bucket_bytes=bucket_bytes, **hyper)
+    refs = [[X, torch.zeros_like(X), reference.initial_q(9, 3, reference.optimizer_param_seed(3, index))]
+            for index, X in enumerate(initial)]
+    for step in range(steps):
+        _set_local_grads(params, 0, step)
+        opt.step()
+        for index, ref in enumerate(refs):
+            G = _replica_gradient(0, step, index, ref[0].shape)
+            refs[index] = list(reference.dion_step(ref[0], G, ref[1], ref[2], transpose=True, **hyper))
+    layout = shardopt.placement.matrix_layout(params[0])
+    return {"errors": [((p.full_tensor() - ref[0]).norm() / ref[0].norm()).item() for p, ref in zip(params, refs)],
+            "local_rows": layout.rows, "largest_block": layout.largest_block}
+
+
+def test_uneven_tensor_blocks_cut_the_same_buckets_on_every_rank(pool4):
+    # 400 B holds two fp64 3×6 blocks but four 2×6 ones: cutting by the local block would give tensor rank 0
+    # buckets of 2 and tensor rank 1 one bucket of 4, and their shard- and tensor-axis collectives would not match.
+    results = pool4.run(_uneven_strided_buckets, 400, timeout_s=60)
+    assert sorted(r["local_rows"] for r in results) == [2, 2, 2, 3]
+    assert all(r["largest_block"] == (3, 6) for r in results)
+    assert max(max(r["errors"]) for r in results) <= 1e-6, [r["errors"] for r in results]
