@@ -29,7 +29,8 @@ TORCH_OPTIM_FLAGS = {
 }
 
 
-def check_options(*, seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize, **torch_flags) -> None:
+def check_options(*, seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize, double_averaging_check_every,
+                  **torch_flags) -> None:
     """The ShardOptimizer keyword options (not the param-group hyperparameters)."""
     for name, value in torch_flags.items():
         if value is not None:
@@ -43,6 +44,11 @@ def check_options(*, seed, agreement_timeout_s, nonfinite, max_grad_norm, maximi
     _real("max_grad_norm", max_grad_norm, "a number ≥ 0 (0 turns clipping off)", lambda v: v >= 0)
     if not isinstance(maximize, bool):
         raise ValueError(f"Invalid maximize: {maximize!r}; maximize must be True or False")
+    every = double_averaging_check_every
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 0:
+        raise ValueError(f"Invalid double_averaging_check_every: {every!r}; it must be an integer ≥ 0, the same on "
+                         f"every rank (check for double averaging at step 1 and every that many steps; 0 turns the "
+                         f"check off)")
 
 
 def _real(name: str, value, allowed: str, ok) -> None:

@@ -55,6 +55,14 @@ class ShardOptimizer(torch.optim.Optimizer):
         TypeError that says what it does instead (None, the default, is accepted).
     bucket_bytes: cap on a bucket's stacked working copy (fp32; fp64 for fp64 params), so a step's
         transient memory is O(bucket_bytes), not O(model); see shardopt/buckets.py.
+    double_averaging_check_every: at the first step and every this many steps after (steps 1, 1+N,
+        1+2N, …), raise `DoubleAveragingError` on every rank, state untouched, when all replicas'
+        local gradients are bitwise identical: something averaged them already (DDP without
+        no_sync(), FSDP2 HSDP's replicate all-reduce, the DeepSpeed engine's all-reduce)
+        and this optimizer would average them again (docs/design.md §9). 0 turns it off (replicas
+        that legitimately see identical gradients). Only with more than one replica; costs one
+        all-reduce of 3 int64 on the replicate axis, one of 2 bytes on the other axes and one device
+        sync, at those steps only (`traffic.double_averaging_check_bytes`).
 
     Which params a step updates is agreed by all ranks: those with a gradient on at least one
     rank. A rank without a local gradient for such a param steps it with a zero gradient (it
@@ -69,14 +77,18 @@ class ShardOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, seed: int = 0,
                  agreement_timeout_s: float = 60.0, nonfinite: str = "skip", max_grad_norm: float = 0.0,
                  maximize: bool = False, foreach=None, fused=None, capturable=None, differentiable=None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 double_averaging_check_every: int = traffic.DOUBLE_AVERAGING_CHECK_EVERY):
         check_options(seed=seed, agreement_timeout_s=agreement_timeout_s, nonfinite=nonfinite,
-                      max_grad_norm=max_grad_norm, maximize=maximize, foreach=foreach, fused=fused,
+                      max_grad_norm=max_grad_norm, maximize=maximize,
+                      double_averaging_check_every=double_averaging_check_every, foreach=foreach, fused=fused,
                       capturable=capturable, differentiable=differentiable)
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r}; bucket_bytes must be a positive integer "
                              f"(bytes of a bucket's fp32 working copy, default {DEFAULT_BUCKET_BYTES})")
         self.bucket_bytes = bucket_bytes
+        self.double_averaging_check_every = double_averaging_check_every
+        self.steps_called = 0   # step() calls that passed the double-averaging check (its schedule)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.seed = int(seed)
@@ -129,14 +141,14 @@ class ShardOptimizer(torch.optim.Optimizer):
         settings = [repr(sorted((k, v) for k, v in g.items() if k not in ("params", "lr"))) for g in self.param_groups]
         fields = {"number of params": len(description), "param shapes/dtypes/placements": zlib.crc32("\n".join(description).encode()),
                   "group settings": zlib.crc32("\n".join(settings).encode()), "seed": self.seed,
-                  "bucket_bytes": self.bucket_bytes}
+                  "bucket_bytes": self.bucket_bytes, "double_averaging_check_every": self.double_averaging_check_every}
         for axis in (self.replicate, self.shard):
             per_rank = axis.agree(list(fields.values()), timeout_s)
             for position, field in enumerate(fields):
                 values = [row[position] for row in per_rank]
                 if len(set(values)) > 1:
                     shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) \
-                        if field in ("number of params", "seed", "bucket_bytes") \
+                        if field in ("number of params", "seed", "bucket_bytes", "double_averaging_check_every") \
                         else ", ".join(f"rank {r}: {'same as rank 0' if v == values[0] else 'different'}" for r, v in enumerate(values))
                     raise ValueError(f"ranks of the {axis.name} axis disagree on the {field} ({shown}); every rank "
                                      f"must build the optimizer from the same model and arguments")
@@ -149,6 +161,7 @@ class ShardOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         check_gradients(self._param_label.items())
+        self._check_not_double_averaged()
         stepping = self._agreed_gradients()
         if stepping is None:
             return loss
@@ -181,6 +194,49 @@ class ShardOptimizer(torch.optim.Optimizer):
         for axis in self.agreement_axes():
             axis.all_reduce(flag, "max")
         return int(flag.item())
+
+    def _check_not_double_averaged(self) -> None:
+        """Raise `DoubleAveragingError` on every rank alike when the replicas' local gradients are bitwise
+        identical and not all zero, at the steps `traffic.double_averaging_checked` names; nothing changes
+        then (not even the schedule's step count, so a retried step is checked again).
+
+        Each rank hashes its local gradients, h = bit_hash((bit_hash(g₁), …, bit_hash(g_n))) mod 2⁶²
+        (a param without a gradient is left out: a rank that lacks one hashes differently), and
+        all-reduces (h, −h, any g ≠ 0) with max over the replicate axis: identical ⇔ max h = min h.
+        Its replicate group's verdict (different, identical and nonzero) is all-reduced with max over
+        the other agreement axes (a shard axis: each shard's replicas compare their own shards), so all
+        ranks raise iff no group saw different gradients and some group saw identical nonzero ones.
+        One device sync (reading the verdict)."""
+        if self.replicate.size == 1 or not traffic.double_averaging_checked(self.steps_called + 1,
+                                                                             self.double_averaging_check_every):
+            self.steps_called += 1
+            return
+        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        summary = torch.zeros(3, dtype=torch.int64, device=self._device())
+        if grads:
+            summary[0] = bit_hash(torch.stack([bit_hash(g) for g in grads])) & (2**62 - 1)
+            summary[1] = -summary[0]
+            summary[2] = torch.stack([g.any() for g in grads]).any()
+        self.replicate.all_reduce(summary, "max")
+        identical = summary[0] == -summary[1]
+        verdict = torch.stack([~identical, identical & summary[2].bool()]).to(torch.uint8)
+        for axis in self.agreement_axes():
+            if axis is not self.replicate:
+                axis.all_reduce(verdict, "max")
+        different, identical_nonzero = verdict.tolist()
+        if identical_nonzero and not different:
+            raise DoubleAveragingError(
+                f"shardopt: at step {self.steps_called + 1} the local gradients of all {self.replicate.size} "
+                f"replicas are bitwise identical: something averaged them over the data-parallel ranks already, and "
+                f"this optimizer would average them again (double averaging: unanimous votes, twice the bytes). "
+                f"shardopt exchanges the gradients itself; turn the other all-reduce off: DDP: run every backward "
+                f"inside model.no_sync(); FSDP2 HSDP: shard over the shard axis only, fully_shard(model, "
+                f"mesh=mesh['shard']), and pass replicate_mesh=mesh['replicate'] (fully_shard on the 2-D mesh "
+                f"all-reduces over the replicate axis unless model.set_requires_all_reduce(False)); DeepSpeed: "
+                f"engine.enable_backward_allreduce = False (shardopt.deepspeed.initialize does it). No optimizer "
+                f"state was changed. If every replica legitimately gets the same gradients, pass "
+                f"double_averaging_check_every=0 to turn this check off.")
+        self.steps_called += 1
 
     def agreement_axes(self) -> tuple[Axis, ...]:
         """The axes over which every rank must take the same branch of a step."""
@@ -292,7 +348,8 @@ class ShardOptimizer(torch.optim.Optimizer):
     def replicate_bytes_per_step(self, replicas: int | None = None) -> list[int]:
         """Bytes this rank sends on the replicate axis per step, per param group, at `replicas`
         replicas (default: this optimizer's replicate axis); see traffic.py. The step's non-finite
-        check (`traffic.nonfinite_check_bytes`) comes on top, once per step."""
+        check (`traffic.nonfinite_check_bytes`) comes on top, once per step, and at the steps it runs the
+        double-averaging check (`traffic.double_averaging_check_bytes`)."""
         replicas = self.replicate.size if replicas is None else replicas
         return [traffic.group_bytes(group, replicas, self.bucket_bytes) for group in self.param_groups]
 
@@ -300,7 +357,8 @@ class ShardOptimizer(torch.optim.Optimizer):
         """One line per param group with its replicate-axis bytes per step, and the whole model
         against a float32 all-reduce of every parameter (traffic.describe)."""
         return traffic.describe(self.param_groups, self.replicate.size if replicas is None else replicas,
-                                self.bucket_bytes, clipping=self.max_norm > 0)
+                                self.bucket_bytes, clipping=self.max_norm > 0,
+                                double_averaging_check_every=self.double_averaging_check_every)
 
     # ---- distributed helpers ------------------------------------------------------------------
     def comm_stats(self) -> dict:
@@ -344,6 +402,11 @@ def _gradients(params, group: dict) -> list[torch.Tensor]:
 def _local_states(states: list[dict]) -> list[dict]:
     """The same state with every DTensor replaced by its local tensor (a view: writes go through)."""
     return [{key: local(value) for key, value in state.items()} for state in states]
+
+
+class DoubleAveragingError(RuntimeError):
+    """The replicas' gradients were averaged before the optimizer's own exchange (see
+    ShardOptimizer's double_averaging_check_every)."""
 
 
 def bit_hash(tensor: torch.Tensor) -> torch.Tensor:
