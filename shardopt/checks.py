@@ -177,3 +177,10 @@ def _check_param_state(param_state, param, group: dict, label: str, keys) -> Non
                              + (f" (this rank's shard: {local_shape})" if local_shape != global_shape else "")
                              + "; was it saved for another model, rank_fraction or mesh? (to change the world "
                                "size, load through torch.distributed.checkpoint, which reshards)")
+        if is_dtensor(value) and (not is_dtensor(param) or tuple(value.placements) != tuple(param.placements)
+                                  or tuple(local(value).shape) != local_shape):
+            placed = f"placed {tuple(param.placements)} like the param" if is_dtensor(param) else "a plain tensor"
+            raise ValueError(f"{where}: {key!r} is a DTensor placed {tuple(value.placements)} with local shape "
+                             f"{tuple(local(value).shape)}, but this optimizer keeps it {placed}, local shape "
+                             f"{local_shape}; load the optimizer's own state_dict() of this mesh, or change the mesh "
+                             f"through torch.distributed.checkpoint (get/set_optimizer_state_dict), which reshards")
