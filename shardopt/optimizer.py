@@ -198,7 +198,9 @@ class ShardOptimizer(torch.optim.Optimizer):
     def _check_not_double_averaged(self) -> None:
         """Raise `DoubleAveragingError` on every rank alike when the replicas' local gradients are bitwise
         identical and not all zero, at the steps `traffic.double_averaging_checked` names; nothing changes
-        then (not even the schedule's step count, so a retried step is checked again).
+        then (not even the schedule's step count, so a retried step is checked again). A step whose
+        gradients are zero or absent on every rank is no evidence and does not advance the schedule
+        either (torch.distributed.checkpoint's get_state_dict initializes the state with such a step).
 
         Each rank hashes its local gradients, h = bit_hash((bit_hash(g₁), …, bit_hash(g_n))) mod 2⁶²
         (a param without a gradient is left out: a rank that lacks one hashes differently), and
@@ -224,6 +226,8 @@ class ShardOptimizer(torch.optim.Optimizer):
             if axis is not self.replicate:
                 axis.all_reduce(verdict, "max")
         different, identical_nonzero = verdict.tolist()
+        if not (different or identical_nonzero):
+            return   # zero or no gradients everywhere (e.g. torch's DCP state initialization): check again next step
         if identical_nonzero and not different:
             raise DoubleAveragingError(
                 f"shardopt: at step {self.steps_called + 1} the local gradients of all {self.replicate.size} "
@@ -409,12 +413,21 @@ class DoubleAveragingError(RuntimeError):
     ShardOptimizer's double_averaging_check_every)."""
 
 
+HASH_CHUNK = 1 << 20   # elements bit_hash widens to int64 at a time (24 MiB of temporaries)
+
+
 def bit_hash(tensor: torch.Tensor) -> torch.Tensor:
-    """A position-weighted int64 hash of the raw bits of `tensor` (equal bits ⇒ equal hash)."""
+    """A position-weighted int64 hash of the raw bits of `tensor` (equal bits ⇒ equal hash):
+    Σ_i bits_i·(2654435761·i + 1) mod 2⁶⁴, summed over chunks of HASH_CHUNK elements so the
+    temporaries stay O(HASH_CHUNK), not O(tensor)."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
-    raw = tensor.detach().contiguous().view(bits).reshape(-1).to(torch.int64)
-    weights = torch.arange(raw.numel(), device=raw.device, dtype=torch.int64) * 2654435761 + 1
-    return (raw * weights).sum()
+    raw = tensor.detach().contiguous().view(bits).reshape(-1)
+    total = torch.zeros((), dtype=torch.int64, device=raw.device)
+    for start in range(0, raw.numel(), HASH_CHUNK):
+        chunk = raw[start:start + HASH_CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=raw.device, dtype=torch.int64) * 2654435761 + 1
+        total += (chunk * weights).sum()
+    return total
 
 
 class Dion(ShardOptimizer):

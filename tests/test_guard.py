@@ -140,12 +140,16 @@ def _hsdp(fsdp_replicates, algorithm):
 
 
 def _zero_gradients_are_no_evidence():
-    """All-zero gradients on every replica are identical but say nothing: no raise."""
+    """All-zero gradients on every replica are identical but say nothing: no raise, and the schedule
+    does not advance (as after torch's DCP state initialization), so the next step is checked."""
     model = Net()
     opt = _optimizer("dion", model, dist.group.WORLD)
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
-    return _step(opt)
+    zero = _step(opt)
+    steps_called = opt.steps_called
+    _set_grads(model, seed=7)
+    return zero, steps_called, _step(opt) is not None
 
 
 # ---- tests -----------------------------------------------------------------------------------
@@ -212,7 +216,7 @@ def test_fsdp2_hsdp_replicate_all_reduce_is_caught(pool, algorithm):
 
 
 def test_all_zero_gradients_are_not_evidence(pool):
-    assert pool.run(_zero_gradients_are_no_evidence) == [None] * WORLD
+    assert pool.run(_zero_gradients_are_no_evidence) == [(None, 0, True)] * WORLD
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "10", None])
@@ -235,3 +239,16 @@ def test_describe_names_the_check():
     line = opt.describe(4).splitlines()[-1]
     assert f"+{CHECK} B" in line and "every 50 steps" in line and "double_averaging_check_every" in line
     assert "double-averaging" not in _optimizer("dion", model, None, double_averaging_check_every=0).describe(4)
+
+
+def test_bit_hash_in_chunks_equals_the_whole_sum(monkeypatch):
+    """bit_hash sums Σ bits_i·(2654435761·i + 1) chunk by chunk (bounded temporaries): the same value."""
+    from shardopt import optimizer
+    tensor = torch.randn(1001, dtype=torch.float64)
+    raw = tensor.view(torch.int64)
+    whole = (raw * (torch.arange(raw.numel(), dtype=torch.int64) * 2654435761 + 1)).sum()
+    monkeypatch.setattr(optimizer, "HASH_CHUNK", 64)
+    assert optimizer.bit_hash(tensor) == whole
+    changed = tensor.clone()
+    changed[1000] = -changed[1000]
+    assert optimizer.bit_hash(changed) != whole
