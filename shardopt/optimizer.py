@@ -18,6 +18,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, capped_buckets
 from .checks import check_gradients, check_group_keys, check_options, check_state_dict
 from .clipping import clip_grad_norm_
 from .comm import Axis
+from .guard import DoubleAveragingError, bit_hash, check_not_double_averaged  # noqa: F401 (re-exported)
 from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names, state_dtype, validate_group
 from .placement import derive_meshes, local
 from .schedule import complete, overlap
@@ -196,51 +197,18 @@ class ShardOptimizer(torch.optim.Optimizer):
         return int(flag.item())
 
     def _check_not_double_averaged(self) -> None:
-        """Raise `DoubleAveragingError` on every rank alike when the replicas' local gradients are bitwise
-        identical and not all zero, at the steps `traffic.double_averaging_checked` names; nothing changes
-        then (not even the schedule's step count, so a retried step is checked again). A step whose
-        gradients are zero or absent on every rank is no evidence and does not advance the schedule
-        either (torch.distributed.checkpoint's get_state_dict initializes the state with such a step).
-
-        Each rank hashes its local gradients, h = bit_hash((bit_hash(g₁), …, bit_hash(g_n))) mod 2⁶²
-        (a param without a gradient is left out: a rank that lacks one hashes differently), and
-        all-reduces (h, −h, any g ≠ 0) with max over the replicate axis: identical ⇔ max h = min h.
-        Its replicate group's verdict (different, identical and nonzero) is all-reduced with max over
-        the other agreement axes (a shard axis: each shard's replicas compare their own shards), so all
-        ranks raise iff no group saw different gradients and some group saw identical nonzero ones.
-        One device sync (reading the verdict)."""
-        if self.replicate.size == 1 or not traffic.double_averaging_checked(self.steps_called + 1,
-                                                                             self.double_averaging_check_every):
-            self.steps_called += 1
-            return
-        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        summary = torch.zeros(3, dtype=torch.int64, device=self._device())
-        if grads:
-            summary[0] = bit_hash(torch.stack([bit_hash(g) for g in grads])) & (2**62 - 1)
-            summary[1] = -summary[0]
-            summary[2] = torch.stack([g.any() for g in grads]).any()
-        self.replicate.all_reduce(summary, "max")
-        identical = summary[0] == -summary[1]
-        verdict = torch.stack([~identical, identical & summary[2].bool()]).to(torch.uint8)
-        for axis in self.agreement_axes():
-            if axis is not self.replicate:
-                axis.all_reduce(verdict, "max")
-        different, identical_nonzero = verdict.tolist()
-        if not (different or identical_nonzero):
-            return   # zero or no gradients everywhere (e.g. torch's DCP state initialization): check again next step
-        if identical_nonzero and not different:
-            raise DoubleAveragingError(
-                f"shardopt: at step {self.steps_called + 1} the local gradients of all {self.replicate.size} "
-                f"replicas are bitwise identical: something averaged them over the data-parallel ranks already, and "
-                f"this optimizer would average them again (double averaging: unanimous votes, twice the bytes). "
-                f"shardopt exchanges the gradients itself; turn the other all-reduce off: DDP: run every backward "
-                f"inside model.no_sync(); FSDP2 HSDP: shard over the shard axis only, fully_shard(model, "
-                f"mesh=mesh['shard']), and pass replicate_mesh=mesh['replicate'] (fully_shard on the 2-D mesh "
-                f"all-reduces over the replicate axis unless model.set_requires_all_reduce(False)); DeepSpeed: "
-                f"engine.enable_backward_allreduce = False (shardopt.deepspeed.initialize does it). No optimizer "
-                f"state was changed. If every replica legitimately gets the same gradients, pass "
-                f"double_averaging_check_every=0 to turn this check off.")
-        self.steps_called += 1
+        """At the steps `traffic.double_averaging_checked` names (with more than one replica), raise
+        `DoubleAveragingError` on every rank alike when the replicas' local gradients are bitwise
+        identical (shardopt/guard.py). Raising, or finding zero/absent gradients everywhere (no evidence:
+        e.g. torch.distributed.checkpoint's state initialization), leaves the schedule's step count as
+        it was, so the next step is checked again."""
+        step = self.steps_called + 1
+        if self.replicate.size > 1 and traffic.double_averaging_checked(step, self.double_averaging_check_every):
+            grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+            others = [axis for axis in self.agreement_axes() if axis is not self.replicate]
+            if not check_not_double_averaged(grads, self.replicate, others, self._device(), step):
+                return
+        self.steps_called = step
 
     def agreement_axes(self) -> tuple[Axis, ...]:
         """The axes over which every rank must take the same branch of a step."""
@@ -406,28 +374,6 @@ def _gradients(params, group: dict) -> list[torch.Tensor]:
 def _local_states(states: list[dict]) -> list[dict]:
     """The same state with every DTensor replaced by its local tensor (a view: writes go through)."""
     return [{key: local(value) for key, value in state.items()} for state in states]
-
-
-class DoubleAveragingError(RuntimeError):
-    """The replicas' gradients were averaged before the optimizer's own exchange (see
-    ShardOptimizer's double_averaging_check_every)."""
-
-
-HASH_CHUNK = 1 << 20   # elements bit_hash widens to int64 at a time (24 MiB of temporaries)
-
-
-def bit_hash(tensor: torch.Tensor) -> torch.Tensor:
-    """A position-weighted int64 hash of the raw bits of `tensor` (equal bits ⇒ equal hash):
-    Σ_i bits_i·(2654435761·i + 1) mod 2⁶⁴, summed over chunks of HASH_CHUNK elements so the
-    temporaries stay O(HASH_CHUNK), not O(tensor)."""
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
-    raw = tensor.detach().contiguous().view(bits).reshape(-1)
-    total = torch.zeros((), dtype=torch.int64, device=raw.device)
-    for start in range(0, raw.numel(), HASH_CHUNK):
-        chunk = raw[start:start + HASH_CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + chunk.numel(), device=raw.device, dtype=torch.int64) * 2654435761 + 1
-        total += (chunk * weights).sum()
-    return total
 
 
 class Dion(ShardOptimizer):

@@ -7,7 +7,6 @@ state has the wrong shape is refused with an error naming the param and the tens
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import reference
 import shardopt

@@ -243,12 +243,12 @@ def test_describe_names_the_check():
 
 def test_bit_hash_in_chunks_equals_the_whole_sum(monkeypatch):
     """bit_hash sums Σ bits_i·(2654435761·i + 1) chunk by chunk (bounded temporaries): the same value."""
-    from shardopt import optimizer
+    from shardopt import guard
     tensor = torch.randn(1001, dtype=torch.float64)
     raw = tensor.view(torch.int64)
     whole = (raw * (torch.arange(raw.numel(), dtype=torch.int64) * 2654435761 + 1)).sum()
-    monkeypatch.setattr(optimizer, "HASH_CHUNK", 64)
-    assert optimizer.bit_hash(tensor) == whole
+    monkeypatch.setattr(guard, "HASH_CHUNK", 64)
+    assert guard.bit_hash(tensor) == whole
     changed = tensor.clone()
     changed[1000] = -changed[1000]
-    assert optimizer.bit_hash(changed) != whole
+    assert guard.bit_hash(changed) != whole
