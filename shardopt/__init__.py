@@ -3,7 +3,8 @@
 __version__ = "0.1.0"
 
 from .groups import describe_groups, param_groups
-from .optimizer import Dion, DoubleAveragingError, ShardOptimizer, SignMuon
+from .guard import DoubleAveragingError
+from .optimizer import Dion, ShardOptimizer, SignMuon
 from .polar import polar
 from .vote import VOTE_FORMATS, vote_bytes
 

@@ -18,7 +18,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, capped_buckets
 from .checks import check_gradients, check_group_keys, check_options, check_state_dict
 from .clipping import clip_grad_norm_
 from .comm import Axis
-from .guard import DoubleAveragingError, bit_hash, check_not_double_averaged  # noqa: F401 (re-exported)
+from .guard import bit_hash, check_not_double_averaged
 from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names, state_dtype, validate_group
 from .placement import derive_meshes, local
 from .schedule import complete, overlap
@@ -89,7 +89,7 @@ class ShardOptimizer(torch.optim.Optimizer):
                              f"(bytes of a bucket's fp32 working copy, default {DEFAULT_BUCKET_BYTES})")
         self.bucket_bytes = bucket_bytes
         self.double_averaging_check_every = double_averaging_check_every
-        self.steps_called = 0   # step() calls that passed the double-averaging check (its schedule)
+        self.steps_called = 0   # steps the double-averaging schedule counted (not raises, not zero-gradient steps)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.seed = int(seed)

@@ -97,7 +97,9 @@ def double_averaging_check_bytes(replicas: int, axis_size: int | None = None) ->
     all-reduce of 2 bytes. Nothing with one replica (no check)."""
     if replicas <= 1:
         return 0
-    return collective_bytes("all_reduce", 24, replicas) if axis_size is None else collective_bytes("all_reduce", 2, axis_size)
+    if axis_size is None:
+        return collective_bytes("all_reduce", 24, replicas)
+    return collective_bytes("all_reduce", 2, axis_size)
 
 
 def allreduce_bytes(numel: int, dtype: torch.dtype, replicas: int) -> int:

@@ -196,7 +196,8 @@ def _load_q_placed_unlike_the_param():
     _train(mesh, params, opt, range(1))
     state_dict = opt.state_dict()
     Q = state_dict["state"][0]["Q"]
-    state_dict["state"][0] = {**state_dict["state"][0], "Q": distribute_tensor(Q.full_tensor(), Q.device_mesh, [Replicate()])}
+    replicated = distribute_tensor(Q.full_tensor(), Q.device_mesh, [Replicate()])
+    state_dict["state"][0] = {**state_dict["state"][0], "Q": replicated}
     before = {key: value.to_local().clone() for key, value in opt.state[params[0]].items() if key != "step"}
     try:
         opt.load_state_dict(state_dict)
