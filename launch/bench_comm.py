@@ -14,7 +14,8 @@ Dion at rank_fraction 1/4 and 1/16 (bf16 and fp32 wire), Sign-Muon (vote "auto")
 method with AdamW (full-precision mean) or Lion (1-bit vote) for the scalar group. Formula rows
 come from `shardopt.traffic` (the functions the communication layer counts with, on the buckets
 the optimizer forms) and include the step's non-finite check; measured rows run one real step on
-gloo processes for the two demo GPTs and read `comm_stats()`: `measured == formula` must hold.
+gloo processes for the two demo GPTs and read `comm_stats()`, less the double-averaging check that
+step 1 (and every N-th step after) adds: `measured == formula` must hold.
 
 Writes results/comm.csv; `python launch/results_table.py --readme README.md` puts it in the README.
 """
@@ -124,7 +125,8 @@ def _worker(rank: int, world_size: int, init_file: str, out_path: str) -> None:
                 param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
             optimizer = optimizer_for(model, method, scalar, dist.group.WORLD)
             optimizer.step()
-            sent = optimizer.comm_stats()["replicate"]["bytes_sent"]
+            # less the double-averaging check, which this first step runs (then every N-th step only)
+            sent = optimizer.comm_stats()["replicate"]["bytes_sent"] - traffic.double_averaging_check_bytes(world_size)
             if METHODS[method] is None:   # DDP's stand-in: shardopt's mean of every gradient, less its NaN check
                 sent -= traffic.nonfinite_check_bytes(world_size)
             measured[f"{name}|{method}|{scalar}"] = {"bytes": sent,

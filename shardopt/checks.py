@@ -29,7 +29,8 @@ TORCH_OPTIM_FLAGS = {
 }
 
 
-def check_options(*, seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize, **torch_flags) -> None:
+def check_options(*, seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize, double_averaging_check_every,
+                  **torch_flags) -> None:
     """The ShardOptimizer keyword options (not the param-group hyperparameters)."""
     for name, value in torch_flags.items():
         if value is not None:
@@ -43,6 +44,11 @@ def check_options(*, seed, agreement_timeout_s, nonfinite, max_grad_norm, maximi
     _real("max_grad_norm", max_grad_norm, "a number ≥ 0 (0 turns clipping off)", lambda v: v >= 0)
     if not isinstance(maximize, bool):
         raise ValueError(f"Invalid maximize: {maximize!r}; maximize must be True or False")
+    every = double_averaging_check_every
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 0:
+        raise ValueError(f"Invalid double_averaging_check_every: {every!r}; it must be an integer ≥ 0, the same on "
+                         f"every rank (check for double averaging at step 1 and every that many steps; 0 turns the "
+                         f"check off)")
 
 
 def _real(name: str, value, allowed: str, ok) -> None:
@@ -169,3 +175,10 @@ def _check_param_state(param_state, param, group: dict, label: str, keys) -> Non
                              + (f" (this rank's shard: {local_shape})" if local_shape != global_shape else "")
                              + "; was it saved for another model, rank_fraction or mesh? (to change the world "
                                "size, load through torch.distributed.checkpoint, which reshards)")
+        if is_dtensor(value) and (not is_dtensor(param) or tuple(value.placements) != tuple(param.placements)
+                                  or tuple(local(value).shape) != local_shape):
+            placed = f"placed {tuple(param.placements)} like the param" if is_dtensor(param) else "a plain tensor"
+            raise ValueError(f"{where}: {key!r} is a DTensor placed {tuple(value.placements)} with local shape "
+                             f"{tuple(local(value).shape)}, but this optimizer keeps it {placed}, local shape "
+                             f"{local_shape}; load the optimizer's own state_dict() of this mesh, or change the mesh "
+                             f"through torch.distributed.checkpoint (get/set_optimizer_state_dict), which reshards")

@@ -20,6 +20,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, capped_buckets
 from .checks import check_gradients, check_group_keys, check_options, check_state_dict
 from .clipping import clip_grad_norm_
 from .comm import Axis
+from .guard import bit_hash, check_not_double_averaged
 from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names, state_dtype, validate_group
 from .matrices import matrix_seed, param_matrices
 from .placement import derive_meshes, local, tensor_split
@@ -64,6 +65,14 @@ class ShardOptimizer(torch.optim.Optimizer):
         TypeError that says what it does instead (None, the default, is accepted).
     bucket_bytes: cap on a bucket's stacked working copy (fp32; fp64 for fp64 params), so a step's
         transient memory is O(bucket_bytes), not O(model); see shardopt/buckets.py.
+    double_averaging_check_every: at the first step and every this many steps after (steps 1, 1+N,
+        1+2N, …), raise `DoubleAveragingError` on every rank, state untouched, when all replicas'
+        local gradients are bitwise identical: something averaged them already (DDP without
+        no_sync(), FSDP2 HSDP's replicate all-reduce, the DeepSpeed engine's all-reduce)
+        and this optimizer would average them again (docs/design.md §9). 0 turns it off (replicas
+        that legitimately see identical gradients). Only with more than one replica; costs one
+        all-reduce of 3 int64 on the replicate axis, one of 2 bytes on the other axes and one device
+        sync, at those steps only (`traffic.double_averaging_check_bytes`).
 
     Which params a step updates is agreed by all ranks: those with a gradient on at least one
     rank. A rank without a local gradient for such a param steps it with a zero gradient (it
@@ -78,14 +87,18 @@ class ShardOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, tensor_mesh=None, seed: int = 0,
                  agreement_timeout_s: float = 60.0, nonfinite: str = "skip", max_grad_norm: float = 0.0,
                  maximize: bool = False, foreach=None, fused=None, capturable=None, differentiable=None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 double_averaging_check_every: int = traffic.DOUBLE_AVERAGING_CHECK_EVERY):
         check_options(seed=seed, agreement_timeout_s=agreement_timeout_s, nonfinite=nonfinite,
-                      max_grad_norm=max_grad_norm, maximize=maximize, foreach=foreach, fused=fused,
+                      max_grad_norm=max_grad_norm, maximize=maximize,
+                      double_averaging_check_every=double_averaging_check_every, foreach=foreach, fused=fused,
                       capturable=capturable, differentiable=differentiable)
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r}; bucket_bytes must be a positive integer "
                              f"(bytes of a bucket's fp32 working copy, default {DEFAULT_BUCKET_BYTES})")
         self.bucket_bytes = bucket_bytes
+        self.double_averaging_check_every = double_averaging_check_every
+        self.steps_called = 0   # steps the double-averaging schedule counted (not raises, not zero-gradient steps)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.seed = int(seed)
@@ -137,14 +150,14 @@ class ShardOptimizer(torch.optim.Optimizer):
         settings = [repr(sorted((k, v) for k, v in g.items() if k not in ("params", "lr"))) for g in self.param_groups]
         fields = {"number of params": len(description), "param shapes/dtypes/placements": zlib.crc32("\n".join(description).encode()),
                   "group settings": zlib.crc32("\n".join(settings).encode()), "seed": self.seed,
-                  "bucket_bytes": self.bucket_bytes}
+                  "bucket_bytes": self.bucket_bytes, "double_averaging_check_every": self.double_averaging_check_every}
         for axis in (self.replicate, self.shard, self.tensor):
             per_rank = axis.agree(list(fields.values()), timeout_s)
             for position, field in enumerate(fields):
                 values = [row[position] for row in per_rank]
                 if len(set(values)) > 1:
                     shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) \
-                        if field in ("number of params", "seed", "bucket_bytes") \
+                        if field in ("number of params", "seed", "bucket_bytes", "double_averaging_check_every") \
                         else ", ".join(f"rank {r}: {'same as rank 0' if v == values[0] else 'different'}" for r, v in enumerate(values))
                     raise ValueError(f"ranks of the {axis.name} axis disagree on the {field} ({shown}); every rank "
                                      f"must build the optimizer from the same model and arguments")
@@ -157,6 +170,7 @@ class ShardOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         check_gradients(self._param_label.items())
+        self._check_not_double_averaged()
         stepping = self._agreed_gradients()
         if stepping is None:
             return loss
@@ -190,6 +204,20 @@ class ShardOptimizer(torch.optim.Optimizer):
         for axis in self.agreement_axes():
             axis.all_reduce(flag, "max")
         return int(flag.item())
+
+    def _check_not_double_averaged(self) -> None:
+        """At the steps `traffic.double_averaging_checked` names (with more than one replica), raise
+        `DoubleAveragingError` on every rank alike when the replicas' local gradients are bitwise
+        identical (shardopt/guard.py). Raising, or finding zero/absent gradients everywhere (no evidence:
+        e.g. torch.distributed.checkpoint's state initialization), leaves the schedule's step count as
+        it was, so the next step is checked again."""
+        step = self.steps_called + 1
+        if self.replicate.size > 1 and traffic.double_averaging_checked(step, self.double_averaging_check_every):
+            grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+            others = [axis for axis in self.agreement_axes() if axis is not self.replicate]
+            if not check_not_double_averaged(grads, self.replicate, others, self._device(), step):
+                return
+        self.steps_called = step
 
     def agreement_axes(self) -> tuple[Axis, ...]:
         """The axes over which every rank must take the same branch of a step."""
@@ -313,7 +341,8 @@ class ShardOptimizer(torch.optim.Optimizer):
     def replicate_bytes_per_step(self, replicas: int | None = None) -> list[int]:
         """Bytes this rank sends on the replicate axis per step, per param group, at `replicas`
         replicas (default: this optimizer's replicate axis); see traffic.py. The step's non-finite
-        check (`traffic.nonfinite_check_bytes`) comes on top, once per step."""
+        check (`traffic.nonfinite_check_bytes`) comes on top, once per step, and at the steps it runs the
+        double-averaging check (`traffic.double_averaging_check_bytes`)."""
         replicas = self.replicate.size if replicas is None else replicas
         return [traffic.group_bytes(group, replicas, self.bucket_bytes) for group in self.param_groups]
 
@@ -321,7 +350,8 @@ class ShardOptimizer(torch.optim.Optimizer):
         """One line per param group with its replicate-axis bytes per step, and the whole model
         against a float32 all-reduce of every parameter (traffic.describe)."""
         return traffic.describe(self.param_groups, self.replicate.size if replicas is None else replicas,
-                                self.bucket_bytes, clipping=self.max_norm > 0)
+                                self.bucket_bytes, clipping=self.max_norm > 0,
+                                double_averaging_check_every=self.double_averaging_check_every)
 
     # ---- distributed helpers ------------------------------------------------------------------
     def comm_stats(self) -> dict:
@@ -370,14 +400,6 @@ def _gradients(params, group: dict, matrices=None) -> list[torch.Tensor]:
 def _local_states(states: list[dict]) -> list[dict]:
     """The same state with every DTensor replaced by its local tensor (a view: writes go through)."""
     return [{key: local(value) for key, value in state.items()} for state in states]
-
-
-def bit_hash(tensor: torch.Tensor) -> torch.Tensor:
-    """A position-weighted int64 hash of the raw bits of `tensor` (equal bits ⇒ equal hash)."""
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
-    raw = tensor.detach().contiguous().view(bits).reshape(-1).to(torch.int64)
-    weights = torch.arange(raw.numel(), device=raw.device, dtype=torch.int64) * 2654435761 + 1
-    return (raw * weights).sum()
 
 
 class Dion(ShardOptimizer):

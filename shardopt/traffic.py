@@ -14,7 +14,9 @@ B is a_i × b_j, a_i = a unless an axis splits a; `collective_bytes` is the ring
 | "adamw" | gradient mean, one flat buffer per dtype | AR(n·itemsize) |
 | "lion" | vote on the n signs, one flat vote per dtype | vote_bytes(format, n, M) |
 
-plus, once per step, the non-finite check: AR(4). AR(x) = 2·x·(M−1)/M. `group_bytes` applies
+plus, once per step, the non-finite check: AR(4); and at step 1 and every N =
+`double_averaging_check_every` steps after, the double-averaging check: AR(24) (3 int64), and AR(2)
+on each other agreement axis (a shard axis of F ranks: 2·2·(F−1)/F). AR(x) = 2·x·(M−1)/M. `group_bytes` applies
 these to a param group's buckets as the optimizer forms them (buckets.capped_buckets, under
 `bucket_bytes`), so a measured `comm_stats()` equals them exactly (every param with a gradient).
 A bucket holds matrices (shardopt/matrices.py): a 3-D expert stack counts its local experts, a
@@ -83,6 +85,31 @@ def nonfinite_check_bytes(replicas: int) -> int:
     return collective_bytes("all_reduce", 4, replicas)
 
 
+DOUBLE_AVERAGING_CHECK_EVERY = 1000   # the optimizers' default double_averaging_check_every
+
+
+def double_averaging_checked(step: int, every: int) -> bool:
+    """Whether step `step` (1, 2, …) runs the double-averaging check: steps 1, 1+every, 1+2·every, …
+    (never with every = 0)."""
+    return every > 0 and (step - 1) % every == 0
+
+
+def double_averaging_checks(steps: int, every: int = DOUBLE_AVERAGING_CHECK_EVERY) -> int:
+    """How many of the steps 1 … `steps` run the double-averaging check."""
+    return -(-steps // every) if every > 0 else 0
+
+
+def double_averaging_check_bytes(replicas: int, axis_size: int | None = None) -> int:
+    """One double-averaging check, on the replicate axis (`axis_size` None): one all-reduce of
+    (h, −h, nonzero) as 3 int64; on another agreement axis of `axis_size` ranks: the verdict, one
+    all-reduce of 2 bytes. Nothing with one replica (no check)."""
+    if replicas <= 1:
+        return 0
+    if axis_size is None:
+        return collective_bytes("all_reduce", 24, replicas)
+    return collective_bytes("all_reduce", 2, axis_size)
+
+
 def allreduce_bytes(numel: int, dtype: torch.dtype, replicas: int) -> int:
     """A plain ring all-reduce of `numel` gradients in `dtype` (what DDP sends per step)."""
     return collective_bytes("all_reduce", numel * _itemsize(dtype), replicas)
@@ -107,10 +134,12 @@ EXCHANGE = {"dion": lambda g: f"rank_fraction {g['rank_fraction']:g}, {g['wire_d
             "adamw": lambda g: "full-precision gradient mean", "muon": lambda g: "full-precision gradient mean"}
 
 
-def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clipping: bool = False) -> str:
+def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clipping: bool = False,
+             double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY) -> str:
     """One line per group (algorithm, tensors, elements, replicate-axis bytes per step on this rank),
     then the whole model (the non-finite check and, with `clipping`, the agreed clip norm — one float
-    all-reduced each — included) against a float32 all-reduce of every parameter."""
+    all-reduced each — included) against a float32 all-reduce of every parameter, then (with more than
+    one replica and the check on) the double-averaging check's bytes at the steps it runs."""
     lines, numel_total = [], 0
     total = nonfinite_check_bytes(replicas) * (2 if clipping else 1)
     for group in groups:
@@ -123,4 +152,8 @@ def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCK
     ratio = f"1/{baseline / total:.1f} of" if total else "vs"
     lines.append(f"shardopt: whole model, {replicas} replicas: {total:,} B/step on the replicate axis per rank, "
                  f"{ratio} a float32 all-reduce of every parameter ({baseline:,} B)")
+    check = double_averaging_check_bytes(replicas)
+    if check and double_averaging_check_every:
+        lines.append(f"shardopt: double-averaging check: +{check:,} B on the replicate axis at step 1 and every "
+                     f"{double_averaging_check_every:,} steps after (double_averaging_check_every)")
     return "\n".join(lines)

@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 deepspeed = pytest.importorskip("deepspeed")  # imported before the pool forks: the workers inherit it
 
+import shardopt  # noqa: E402
 import shardopt.deepspeed as sds  # noqa: E402
-from shardopt import Dion, param_groups  # noqa: E402
+from shardopt import Dion, param_groups, traffic  # noqa: E402
 from shardopt.comm import collective_bytes  # noqa: E402
 from shardopt.vote import resolve_vote, vote_bytes  # noqa: E402
 from workers import WorkerPool  # noqa: E402
@@ -163,7 +164,7 @@ def _signmuon_engine_exchanges_itself():
         + collective_bytes("all_reduce", scalar_bytes, 2) + 2 * collective_bytes("all_reduce", 4, 2)  # + flag, norm
     sent = ours.comm_stats()["replicate"]["bytes_sent"]
     return (local_grads_differ, len(engine_allreduces), engine.enable_backward_allreduce, ours.replicas_consistent(),
-            sent, 10 * per_step, [float(p.sum()) for p in matrices])
+            sent, 10 * per_step + traffic.double_averaging_check_bytes(2), [float(p.sum()) for p in matrices])  # + step 1's
 
 
 def test_signmuon_engine_does_not_allreduce_and_replicas_stay_identical(pool):
@@ -174,6 +175,28 @@ def test_signmuon_engine_does_not_allreduce_and_replicas_stay_identical(pool):
         assert consistent
         assert sent == expected
     assert results[0][-1] == results[1][-1]
+
+
+def _engine_allreduce_left_on(optimizer):
+    """The engine's gradient all-reduce turned back on after the plugin turned it off: the replicas'
+    gradients arrive averaged, the guard raises on both ranks before any state changes."""
+    _env()
+    engine, *_ = sds.initialize(model=_model(), config=_config(optimizer))
+    ours = sds.shard_optimizer(engine)
+    engine.enable_backward_allreduce = True
+    weights = _weights(engine.module)
+    engine.backward(_loss(engine, *_batch(0)))
+    try:
+        engine.step()
+    except shardopt.DoubleAveragingError as error:
+        return str(error), not ours.state and _max_diff(weights, _weights(engine.module)) == 0
+    return None, False
+
+
+@pytest.mark.parametrize("optimizer", ["Dion", "SignMuon"])
+def test_engine_allreduce_left_on_is_caught_by_the_guard(pool, optimizer):
+    for error, untouched in pool.run(_engine_allreduce_left_on, optimizer, timeout_s=TIMEOUT_S):
+        assert error is not None and "engine.enable_backward_allreduce = False" in error and untouched
 
 
 def _low_precision_trains(optimizer, precision):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 deepspeed = pytest.importorskip("deepspeed")  # imported before the pool forks: the workers inherit it
 
 import shardopt.deepspeed as sds  # noqa: E402
+from shardopt import traffic  # noqa: E402
 from shardopt.comm import collective_bytes  # noqa: E402
 from shardopt.optimizer import bit_hash  # noqa: E402
 from workers import WorkerPool  # noqa: E402
@@ -149,9 +150,10 @@ def test_zero_1_and_2_on_2_nodes_x_2_partition_state_keep_bytes_and_follow_stage
                 assert abs(run["grad_norm"] - mesh0["grad_norm"]) <= 1e-4 * mesh0["grad_norm"]
         # shard axis per step: stage 1 an fp32 reduce-scatter of 2 chunks at the step, stage 2 every gradient
         # this rank does not own sent to its owner in fp32 in each of the 2 backwards; the all-gather of this
-        # rank's chunk, and the agreed flag and gradient norm (4-byte all-reduces)
+        # rank's chunk, and the agreed flag and gradient norm (4-byte all-reduces); at step 1 the verdict of the
+        # double-averaging check (2 bytes all-reduced over the node)
         one = runs["stage1"]
-        small = 2 * collective_bytes("all_reduce", 4, 2)
+        small = 2 * collective_bytes("all_reduce", 4, 2) + traffic.double_averaging_check_bytes(2, 2) / STEPS
         all_gather = collective_bytes("all_gather", 4 * one["chunk"], 2)
         assert one["shard_per_step"] == collective_bytes("reduce_scatter", 8 * one["chunk"], 2) + all_gather + small
         sent_to_owners = 2 * 4 * (one["all_elements"] - one["owned_elements"])

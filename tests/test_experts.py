@@ -20,7 +20,7 @@ from shardopt.checkpoint import load_optimizer_state, save_optimizer_state
 from shardopt.comm import collective_bytes
 from shardopt.lowrank import dion_rank
 from shardopt.placement import dim0_shards, local
-from shardopt.traffic import nonfinite_check_bytes
+from shardopt.traffic import double_averaging_check_bytes, double_averaging_checks, nonfinite_check_bytes
 from workers import WorkerPool
 
 EXPERT_SHAPES = [(3, 12, 8), (5, 6, 10)]     # tall and wide experts; over 4 ranks (1,1,1,0) and (2,2,1,0)
@@ -134,7 +134,8 @@ def _run_dion(replicate, shard, tensors, steps=5, rank_fraction=0.5):
         want = torch.stack([ref[0] for ref in matrices]).reshape(X.shape)
         errors.append(((_full(param) - want).norm() / want.norm()).item())
     stats = opt.comm_stats()
-    formula = steps * (sum(opt.replicate_bytes_per_step()) + nonfinite_check_bytes(replicate))
+    formula = steps * (sum(opt.replicate_bytes_per_step()) + nonfinite_check_bytes(replicate)) \
+        + double_averaging_checks(steps) * double_averaging_check_bytes(replicate)   # step 1's guard
     return {"error": max(errors), "replicate_bytes": stats["replicate"]["bytes_sent"], "formula": formula,
             "shard_bytes": stats["shard"]["bytes_sent"], "shard_calls": stats["shard"]["calls"],
             "local_experts": [local(p).shape[0] for p in params if p.ndim == 3],
@@ -167,7 +168,8 @@ def _run_signmuon(replicate, shape=(4, 10, 6), steps=4, beta=0.8):
         total += want.numel()
         ties += int((want == 0).sum())
     stats = opt.comm_stats()["replicate"]["bytes_sent"]
-    formula = steps * (sum(opt.replicate_bytes_per_step()) + nonfinite_check_bytes(replicate))
+    formula = steps * (sum(opt.replicate_bytes_per_step()) + nonfinite_check_bytes(replicate)) \
+        + double_averaging_checks(steps) * double_averaging_check_bytes(replicate)   # step 1's guard
     return {"agreement": agree / total, "ties": ties, "bytes": stats, "formula": formula,
             "consistent": opt.replicas_consistent()}
 
@@ -364,8 +366,9 @@ def _split_traffic(algorithm, steps=2):
     for step in range(steps):
         param.grad = _gradient(dist.get_rank(), step, 0, param.shape)
         opt.step()
-    return opt.comm_stats()["replicate"]["bytes_sent"], steps * (sum(opt.replicate_bytes_per_step())
-                                                                 + nonfinite_check_bytes(2)), opt.replicas_consistent()
+    formula = steps * (sum(opt.replicate_bytes_per_step()) + nonfinite_check_bytes(2)) \
+        + double_averaging_checks(steps) * double_averaging_check_bytes(2)   # step 1's guard
+    return opt.comm_stats()["replicate"]["bytes_sent"], formula, opt.replicas_consistent()
 
 
 @pytest.mark.parametrize("algorithm", ["dion", "signmuon"])
@@ -373,11 +376,11 @@ def test_split_traffic_equals_formula_on_two_replicas(pool2, algorithm):
     """Dion: the 8×8 Q block saves nothing at rank 4 ((8+8)·4 = 8·8: gradient mean, fp64,
     AR(512 B) = 512 B), the 4×8 K and V blocks are compressed (a = 8, b = 4, r = 2, float32 wire, one
     bucket of 2 split over the 2 replicas: AR(2·8·2·4) + AR(2·4·2·4) = 192 B), plus the non-finite check
-    (4 B): 708 B per step."""
+    (4 B): 708 B per step; step 1 adds the double-averaging check, AR(24 B) = 24 B."""
     for measured, formula, consistent in pool2.run(_split_traffic, algorithm):
         assert measured == formula > 0 and consistent
         if algorithm == "dion":
-            assert measured == 2 * 708
+            assert measured == 2 * 708 + 24
 
 
 def test_dion_expert_stack_with_column_split_matches_float64_reference_per_block():

@@ -332,7 +332,7 @@ def test_param_groups_verbose_prints_each_groups_replicate_bytes(capsys, scalar_
     model against a float32 all-reduce, and why params were made non-matrix."""
     groups = shardopt.param_groups(TiedModel(), "dion", scalar_algorithm, verbose=True, replicas=4)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 4
+    assert len(lines) == 5
     matrix_numel, scalar_numel = (sum(p.numel() for p in g["params"]) for g in groups)
     matrix_bytes = collective_bytes("all_reduce", 4 * matrix_numel, 4)   # rank_fraction 1: the gradient mean
     scalar_bytes = collective_bytes("all_reduce", 4 * scalar_numel, 4) if scalar_algorithm == "adamw" \
@@ -341,10 +341,11 @@ def test_param_groups_verbose_prints_each_groups_replicate_bytes(capsys, scalar_
     assert f"{scalar_algorithm}: 10 tensors" in lines[1] and f"{scalar_bytes:,} B/step" in lines[1]
     total = matrix_bytes + scalar_bytes + collective_bytes("all_reduce", 4, 4)
     assert f"4 replicas: {total:,} B/step" in lines[2]
-    assert "embedding" in lines[3] and "norm" in lines[3]
+    assert lines[3].startswith(f"shardopt: double-averaging check: +{collective_bytes('all_reduce', 24, 4)} B")
+    assert "embedding" in lines[4] and "norm" in lines[4]
     optimizer = shardopt.Dion(groups)
     assert optimizer.replicate_bytes_per_step(4) == [matrix_bytes, scalar_bytes]
-    assert optimizer.describe(4).splitlines() == lines[:3]
+    assert optimizer.describe(4).splitlines() == lines[:4]
 
 
 def test_param_groups_quiet_by_default(capsys):

@@ -24,6 +24,7 @@ import torch.distributed.tensor  # noqa: F401  same: DeviceMesh/DTensor machiner
 
 import reference
 import shardopt
+from shardopt import traffic
 from shardopt.comm import Axis, collective_bytes
 from shardopt.vote import resolve_vote, tie_coins, vote, vote_bytes
 from workers import WorkerPool
@@ -265,10 +266,13 @@ def _bad_replicate_mesh(case):
 
 
 # ---- expected bytes (docs/design.md formulas, written out) ----------------------------------------------
-def _check_bytes(M):
-    """Every step first all-reduces one float32 over the replicate axis (the non-finite gradient
-    check in ShardOptimizer.step, so all ranks skip together): 2(M−1)·4/M bytes, one call."""
-    return collective_bytes("all_reduce", 4, M)
+def _check_bytes(M, steps=1):
+    """The checks of steps 1 … `steps` on the replicate axis: every step all-reduces one float32 (the
+    non-finite gradient check in ShardOptimizer.step, so all ranks skip together), 2(M−1)·4/M bytes,
+    one call; step 1 (and every double_averaging_check_every-th after) also all-reduces 3 int64 (the
+    double-averaging check), 2(M−1)·24/M bytes, one call."""
+    return steps * collective_bytes("all_reduce", 4, M) \
+        + traffic.double_averaging_checks(steps) * traffic.double_averaging_check_bytes(M)
 
 
 def _dion_design_bytes(M, rank_fraction, itemsize=8):
@@ -322,13 +326,14 @@ def test_dion_compressed_matches_single_process_float64_on_mean_gradient(pools, 
     for result in results:
         stats = result["stats"]
         wire_bytes = torch.empty(0, dtype=getattr(torch, wire_dtype)).element_size()
-        assert stats["replicate"]["bytes_sent"] == 10 * (_dion_design_bytes(world_size, 0.25, wire_bytes)
-                                                         + _check_bytes(world_size))
+        assert stats["replicate"]["bytes_sent"] == 10 * _dion_design_bytes(world_size, 0.25, wire_bytes) \
+            + _check_bytes(world_size, 10)
         assert stats["replicate"]["bytes_received"] == stats["replicate"]["bytes_sent"]
         # calls per step: the pair's P is split over the replicas (reduce-scatter + all-gather) when
         # 2 is a multiple of M, else all-reduced; the single matrix's P all-reduced; R per bucket; the check
+        # (and step 1's double-averaging check)
         pair_p_calls = 2 if 2 % world_size == 0 else 1
-        assert stats["replicate"]["calls"] == 10 * (pair_p_calls + 1 + 2 + 1)
+        assert stats["replicate"]["calls"] == 10 * (pair_p_calls + 1 + 2 + 1) + 1
         assert stats["shard"]["bytes_sent"] == 0
 
 
@@ -342,9 +347,9 @@ def test_dion_fallback_matches_single_process_float64_on_mean_gradient(pools, wo
         # the gradient is averaged first, so the momenta never diverge
         assert torch.equal(result["momenta"], results[0]["momenta"])
         assert _relative_error(result["momenta"], result["ref_momenta"]) <= 1e-6
-        assert result["stats"]["replicate"]["bytes_sent"] == 10 * (_dion_design_bytes(world_size, 1.0)
-                                                                   + _check_bytes(world_size))
-        assert result["stats"]["replicate"]["calls"] == 10 * (2 + 1)
+        assert result["stats"]["replicate"]["bytes_sent"] == 10 * _dion_design_bytes(world_size, 1.0) \
+            + _check_bytes(world_size, 10)
+        assert result["stats"]["replicate"]["calls"] == 10 * (2 + 1) + 1
     assert all(r["consistent"] for r in results)
     assert all(torch.equal(r["params"], results[0]["params"]) for r in results)
 
@@ -373,7 +378,7 @@ def test_signmuon_vote_equals_sign_of_summed_replica_signs(pools, world_size, vo
     assert all(torch.equal(r["params"], results[0]["params"]) for r in results)
     # bytes: docs/design.md's table per bucket of n = 768 entries, two buckets per step (+ the check)
     for result in results:
-        sent = result["stats"]["replicate"]["bytes_sent"] - steps * _check_bytes(world_size)
+        sent = result["stats"]["replicate"]["bytes_sent"] - _check_bytes(world_size, steps)
         assert sent == steps * 2 * _vote_design_bytes(fmt, 768, world_size)
         assert sent == steps * 2 * vote_bytes(fmt, 768, world_size)
         stats = result["stats"]
@@ -419,7 +424,7 @@ def test_768x3072_bytes_against_fp32_ring_allreduce_at_4_replicas(pools):
     fp32_allreduce = 8 * m * n * (M - 1) // M
     assert fp32_allreduce == collective_bytes("all_reduce", 4 * m * n, M)
     r = shardopt.lowrank.dion_rank(m, n, 0.25, 1)
-    # the exchange itself (the step's 6-byte non-finite check is separate; see _check_bytes)
+    # the exchange itself (the step's checks, 42 bytes at step 1, are separate; see _check_bytes)
     vote_sent, dion_sent = result["signmuon"] - _check_bytes(M), result["dion"] - _check_bytes(M)
     assert vote_sent == m * n * (M - 1) // (4 * M)
     assert vote_sent / fp32_allreduce <= 1 / 32
@@ -517,8 +522,9 @@ def test_lion_vote_matches_distributed_lion_reference_without_ties(pools, world_
         assert torch.allclose(result["synced"], sum(want_momenta) / world_size, rtol=0, atol=1e-14)
         assert result["consistent"]
         n = sum(math.prod(s) for s in LION_SHAPES)
-        for stats in result["stats"]:   # one vote of n entries, plus the step's non-finite check
-            assert stats["bytes_sent"] == vote_bytes(fmt, n, world_size) + _check_bytes(world_size)
+        for step, stats in enumerate(result["stats"]):   # one vote of n entries, plus the step's checks
+            assert stats["bytes_sent"] == vote_bytes(fmt, n, world_size) \
+                + _check_bytes(world_size, step + 1) - _check_bytes(world_size, step)
 
 
 @pytest.mark.parametrize("fmt", ["allreduce_int8", "allgather_1bit", "alltoall_1bit"])

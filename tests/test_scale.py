@@ -31,6 +31,7 @@ import torch.distributed.tensor  # noqa: F401
 
 import reference
 import shardopt
+from shardopt import traffic
 from shardopt.buckets import chunk_sizes
 from shardopt.comm import collective_bytes
 from shardopt.lowrank import orthonormalize
@@ -222,9 +223,10 @@ def test_dion_orthonormalization_split_over_4_replicas_same_bytes(pool4, wire_dt
         assert result["flops"] <= 0.35 * alone["flops"], (result["flops"], alone["flops"])
         assert result["matrices"] == SPLIT_COUNT * SPLIT_STEPS // 4
         assert result["error"] <= tolerance
-        # docs/design.md §1: 2(M−1)/M·(a + b)·r·wire bytes per matrix per step, plus the one-float check
+        # docs/design.md §1: 2(M−1)/M·(a + b)·r·wire bytes per matrix per step, plus the one-float check,
+        # plus step 1's double-averaging check
         design = SPLIT_COUNT * collective_bytes("all_reduce", (m + n) * r * wire, 4) + collective_bytes("all_reduce", 4, 4)
-        assert result["bytes"] == SPLIT_STEPS * design
+        assert result["bytes"] == SPLIT_STEPS * design + traffic.double_averaging_check_bytes(4)
         assert torch.equal(result["params"], split[0]["params"]) and result["consistent"]
     assert alone["error"] <= 1e-6 and alone["bytes"] == 0   # one replica: nothing exchanged, nothing rounded
 

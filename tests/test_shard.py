@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import reference
 import shardopt
+from shardopt import traffic
 from shardopt.comm import collective_bytes
 from shardopt.placement import chunk_rows
 from workers import WorkerPool
@@ -190,8 +191,10 @@ def test_hsdp_comm_stats_equal_design_formulas(pool4, wire_dtype):
     assert all(shardopt.dion.compressed(shardopt.placement.MatrixLayout(s, (s[0],), sharded=True),
                                         {"rank_fraction": 0.25, "rank_multiple_of": 1}) for s in SHAPES)
     for rank, result in enumerate(results):
-        assert result["stats"]["shard"]["bytes_sent"] == steps * shard_bytes
-        assert result["stats"]["replicate"]["bytes_sent"] == steps * replicate_bytes[rank % 2]
+        # + step 1's double-averaging check: (h, −h, nonzero) over the replicas, the verdict over the shards
+        assert result["stats"]["shard"]["bytes_sent"] == steps * shard_bytes + traffic.double_averaging_check_bytes(2, 2)
+        assert result["stats"]["replicate"]["bytes_sent"] == steps * replicate_bytes[rank % 2] \
+            + traffic.double_averaging_check_bytes(2)
 
 
 # ---- DCP: save at 4 ranks, load at 2 and 1 ----------------------------------------------------
@@ -367,7 +370,8 @@ def test_signmuon_full_bf16_wire_halves_the_all_to_all_and_keeps_the_signs(pool4
     and the voted direction (only signs are used) agrees with the float32 wire on ≥ 99 % of entries."""
     exact = pool4.run(_run_signmuon_full, "float32")
     halved = pool4.run(_run_signmuon_full, "bfloat16")
-    check = 3 * collective_bytes("all_reduce", 4, 2)     # the non-finite flag, once per step
+    # the non-finite flag, once per step, and step 1's double-averaging verdict
+    check = 3 * collective_bytes("all_reduce", 4, 2) + traffic.double_averaging_check_bytes(2, 2)
     for a, b in zip(exact, halved):
         assert a["shard_bytes"] - check == 2 * (b["shard_bytes"] - check) > 0
         assert a["consistent"] and b["consistent"]

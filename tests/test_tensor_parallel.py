@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import reference
 import shardopt
+from shardopt import traffic
 from shardopt.comm import collective_bytes
 from workers import WorkerPool
 
@@ -147,6 +148,13 @@ def _dion_bytes(layout, rank_fraction, wire_itemsize, sizes):
     return sent
 
 
+def _guard_bytes(axis, sizes, steps):
+    """The double-averaging checks of `steps` steps on `axis` (docs/design.md §9): the hashes on the
+    replicate axis, the verdict on the others; nothing with one replica."""
+    size = None if axis == "replicate" else sizes[axis]
+    return traffic.double_averaging_checks(steps) * traffic.double_averaging_check_bytes(sizes["replicate"], size)
+
+
 def _run_dion(case, rank_fraction, steps=10, wire_dtype="float32", pass_meshes=False):
     mesh, params, initial, replica, replicas = _setup(case)
     names = mesh.mesh_dim_names
@@ -174,7 +182,7 @@ def _run_dion(case, rank_fraction, steps=10, wire_dtype="float32", pass_meshes=F
         for axis, sent in _dion_bytes(layout, rank_fraction, wire_itemsize, sizes).items():
             expected[axis] += sent
     expected = {axis: steps * (sent + collective_bytes("all_reduce", 4, sizes[axis]))   # + the non-finite flag
-                for axis, sent in expected.items()}
+                + _guard_bytes(axis, sizes, steps) for axis, sent in expected.items()}
     stats = opt.comm_stats()
     return {"errors": errors, "full": torch.cat([p.full_tensor().reshape(-1) for p in params]),
             "sent": {axis: stats[axis]["bytes_sent"] for axis in sizes}, "expected": expected,
@@ -231,7 +239,8 @@ def _run_signmuon(case, orthogonalize, steps=4):
             full_polar_bytes[axis] += sent
     return {"mismatch": mismatch, "consistent": opt.replicas_consistent(), "full_polar_bytes": full_polar_bytes,
             "sent": {axis: stats[axis]["bytes_sent"] for axis in stats},
-            "sizes": {"shard": opt.shard.size, "tensor": opt.tensor.size}, "steps": steps}
+            "sizes": {"replicate": opt.replicate.size, "shard": opt.shard.size, "tensor": opt.tensor.size},
+            "steps": steps}
 
 
 # ---- tests -----------------------------------------------------------------------------------
@@ -246,7 +255,8 @@ def test_dion_tensor_parallel_matches_float64_and_bytes_equal_formulas(pool4, ca
     for result in results:
         assert result["sent"] == result["expected"], (result["sent"], result["expected"], result["layouts"])
         steps, check = 10, collective_bytes("all_reduce", 4, 2 if case in ("tp", "colwise", "hsdp_tp") else 1)
-        assert steps * sum(result["described"]) + steps * check == result["sent"]["replicate"]
+        guard = _guard_bytes("replicate", {"replicate": 2 if case in ("tp", "colwise", "hsdp_tp") else 1}, steps)
+        assert steps * sum(result["described"]) + steps * check + guard == result["sent"]["replicate"]
 
 
 # float64 params, rank_fraction 0.25, relative weight error after 10 steps with a bfloat16 wire: measured
@@ -268,9 +278,12 @@ def test_signmuon_tensor_parallel_matches_float64(pool4, case, orthogonalize):
     assert max(r["mismatch"] for r in results) <= 1e-12, [r["mismatch"] for r in results]
     for result in results:   # per step: the non-finite flag, and with "full" the owner all-to-alls
         for axis, size in result["sizes"].items():
+            if axis == "replicate":
+                continue
             per_step = collective_bytes("all_reduce", 4, size) + \
                 (result["full_polar_bytes"][axis] if orthogonalize == "full" else 0)
-            assert result["sent"][axis] == result["steps"] * per_step, (axis, result["sent"], result["full_polar_bytes"])
+            assert result["sent"][axis] == result["steps"] * per_step + _guard_bytes(axis, result["sizes"], result["steps"]), \
+                (axis, result["sent"], result["full_polar_bytes"])
 
 
 def _autograd_strided(steps=3):

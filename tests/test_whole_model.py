@@ -64,7 +64,8 @@ def _train(matrix_algorithm):
         losses.append(loss.item())
     numel = sum(p.numel() for p in model.parameters())
     formula = sum(opt.replicate_bytes_per_step()) + traffic.nonfinite_check_bytes(2)
-    return {"bytes_per_step": opt.comm_stats()["replicate"]["bytes_sent"] / STEPS, "formula": formula,
+    checks = traffic.double_averaging_checks(STEPS) * traffic.double_averaging_check_bytes(2)   # step 1's
+    return {"bytes_per_step": (opt.comm_stats()["replicate"]["bytes_sent"] - checks) / STEPS, "formula": formula,
             "fp32_allreduce": traffic.allreduce_bytes(numel, torch.float32, 2), "losses": losses,
             "consistent": opt.replicas_consistent(), "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "non_matrix_share": sum(p.numel() for g in groups if g["algorithm"] == "lion" for p in g["params"]) / numel}
