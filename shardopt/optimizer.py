@@ -101,6 +101,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         self.steps_called = 0   # steps the double-averaging schedule counted (not raises, not zero-gradient steps)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
+        self._warned_no_gradients = False
         self.seed = int(seed)
         self.max_norm = float(max_grad_norm)   # (the DeepSpeed plugin keeps its own max_grad_norm)
         self.last_grad_norm = None             # ν of the last clipped step (a 0-d tensor), for logging
@@ -241,7 +242,14 @@ class ShardOptimizer(torch.optim.Optimizer):
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=self._device())
         for axis in (self.replicate, self.shard, self.tensor):   # the axes whose ranks step the same params (a subclass's
             axis.all_reduce(has_grad, "max")        # further agreement axes, e.g. ZeRO's node, may own others)
-        return {p for p, anywhere in zip(params, has_grad.tolist()) if anywhere}
+        stepping = {p for p, anywhere in zip(params, has_grad.tolist()) if anywhere}
+        if not stepping and not self._warned_no_gradients:
+            self._warned_no_gradients = True
+            logger.warning("shardopt: no parameter has a gradient on any rank, so this step changed nothing "
+                           "(said once). Under FSDP2 HSDP, set_requires_all_reduce(False) on a 2-D mesh keeps the "
+                           "gradients inside FSDP2: shard with fully_shard(model, mesh=mesh['shard']) and pass "
+                           "replicate_mesh=mesh['replicate'] (docs/design.md §9)")
+        return stepping
 
     def _report_nonfinite(self) -> None:
         """Raise (nonfinite="raise") or count and log a skipped step, naming this rank's bad params."""

@@ -1,5 +1,25 @@
 import os
 
+import pytest
+
 # Forked test workers run matmuls; a threaded OpenMP pool in a forked child can hang.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from workers import WorkerPool  # noqa: E402  (after the environment above: the workers inherit it)
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    """Two gloo workers, started once per test module that asks for them (tests/workers.py)."""
+    pool = WorkerPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    """Four gloo workers, started once per test module that asks for them."""
+    pool = WorkerPool(4)
+    yield pool
+    pool.close()

@@ -10,27 +10,12 @@ import torch
 
 import reference
 import shardopt
-from workers import WorkerPool
 
 SHAPES = [(24, 16), (16, 40), (3, 64)]   # tall, wide, an empty shard at 2 shards (2, 1)
 SAVE_AT, TOTAL = 3, 6
 DION = dict(lr=0.02, mu=0.9, weight_decay=0.1)
 SIGNMUON = dict(lr=0.01, momentum=0.8)
 SEED = 3
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = WorkerPool(2)
-    yield pool
-    pool.close()
 
 
 # ---- the gradients: two streams, as many replicas as the mesh has ------------------------------

@@ -21,26 +21,11 @@ from shardopt.comm import collective_bytes
 from shardopt.lowrank import dion_rank
 from shardopt.placement import dim0_shards, local
 from shardopt.traffic import double_averaging_check_bytes, double_averaging_checks, nonfinite_check_bytes
-from workers import WorkerPool
 
 EXPERT_SHAPES = [(3, 12, 8), (5, 6, 10)]     # tall and wide experts; over 4 ranks (1,1,1,0) and (2,2,1,0)
 D, D_KV, N = 8, 4, 8                          # fused QKV: (D + 2·D_KV) × N, split (0, (D, D_KV, D_KV))
 DION = dict(lr=0.02, mu=0.9, weight_decay=0.1)
 SEED = 3
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = WorkerPool(2)
-    yield pool
-    pool.close()
 
 
 # ---- helpers (run on the workers, or in this process) -------------------------------------------

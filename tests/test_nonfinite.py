@@ -5,14 +5,6 @@ import torch
 import torch.distributed as dist
 
 import shardopt
-from workers import WorkerPool
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
 
 
 def _train(algorithm, skip_batch, poison_step, nonfinite="skip"):

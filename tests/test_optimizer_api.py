@@ -191,6 +191,21 @@ def test_params_without_grad_are_skipped_without_state(algorithm, scalar_algorit
             assert int(optimizer.state[p]["step"]) == 1
 
 
+def test_step_without_any_gradient_changes_nothing_and_warns_once(caplog):
+    """A step where no param has a gradient (e.g. FSDP2 HSDP with set_requires_all_reduce(False) on a
+    2-D mesh, which keeps the gradients inside FSDP2) is a no-op, as in torch.optim, but says so once."""
+    model = build_model()
+    optimizer = build_optimizer(model, "dion", "adamw")
+    before = [p.detach().clone() for p in model.parameters()]
+    with caplog.at_level("WARNING", logger="shardopt"):
+        optimizer.step()
+        optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not optimizer.state
+    assert caplog.text.count("no parameter has a gradient on any rank") == 1
+    assert "fully_shard(model, mesh=mesh['shard'])" in caplog.text
+
+
 def test_adamw_param_that_gets_its_first_grad_late_uses_its_own_step_count():
     """Bias correction uses each parameter's own step: its first update equals AdamW's first step."""
     a = nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(0), dtype=torch.float64))

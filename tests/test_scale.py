@@ -35,16 +35,8 @@ from shardopt import traffic
 from shardopt.buckets import chunk_sizes
 from shardopt.comm import collective_bytes
 from shardopt.lowrank import orthonormalize
-from workers import WorkerPool
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
 
 
 # ---- transient memory ---------------------------------------------------------------------------

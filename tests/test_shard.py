@@ -21,20 +21,6 @@ from workers import WorkerPool
 SHAPES = [(24, 16), (16, 40), (18, 64), (3, 64)]   # tall, wide, uneven over 4 (5,5,5,3), empty shard (1,1,1,0)
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = WorkerPool(2)
-    yield pool
-    pool.close()
-
-
 # ---- helpers run on the workers ---------------------------------------------------------------
 class Matrices(torch.nn.Module):
     def __init__(self, shapes, seed=0):

@@ -17,7 +17,6 @@ import reference
 import shardopt
 from shardopt import traffic
 from shardopt.comm import collective_bytes
-from workers import WorkerPool
 
 # tall, wide, uneven columns over 2 (4, 3), an empty column shard (1, 0), an empty row shard (1, 0)
 SHAPES = [(24, 16), (16, 40), (18, 7), (5, 1), (1, 6)]
@@ -29,13 +28,6 @@ CASES = {
     "fsdp_tp": ((2, 2), ("shard", "tensor"), ("S0", "S1")),            # 2-D FSDP × TP
     "hsdp_tp": ((2, 1, 2), ("replicate", "shard", "tensor"), ("R", "S0", "S1")),   # 3-D, shard size 1
 }
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
 
 
 # ---- helpers run on the workers ---------------------------------------------------------------
