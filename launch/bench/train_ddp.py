@@ -27,6 +27,7 @@ LOCAL_WORLD_SIZE), so one machine can stand for several nodes (--standalone with
 
 import argparse
 import csv
+import gc
 import math
 import os
 import sys
@@ -109,7 +110,11 @@ if args.method == "signsgd":
                                            scalars | signum | {"weight_decay": 0.0}], {},
                                           replicate_mesh=dist.group.WORLD, seed=args.seed)]
 else:
-    net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # PowerSGD gets one bucket: with several, torch's hook issues each bucket's P/Q all-reduces from
+    # callbacks of the bucket's earlier ones, so the buckets' collectives interleave differently on
+    # different ranks, which gloo aborts ("collective mismatch") at the first compressed step.
+    net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  bucket_cap_mb=1024 if args.method == "powersgd" else None)
     if args.method == "powersgd":
         net.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=args.powersgd_rank,
                                                            start_powerSGD_iter=args.powersgd_start,
@@ -210,5 +215,10 @@ for step in range(1, args.steps + 1):
                   + (f", val loss {row['val_loss']}" if row["val_loss"] else "")
                   + f", step {row['step_ms']} ms, replicate {row['replicate_bytes_per_step']:,} B/step", flush=True)
         window = dict(loss=0.0, steps=0, seconds=0.0, between=0, within=0)
+# Tear down what holds process-group work (DDP's reducer and comm-hook state, the optimizers) before the
+# groups: left to interpreter finalization, gloo's worker threads sometimes aborted the process after the
+# last step ("terminate called without an active exception").
+del net, optimizers
+gc.collect()
 dist.barrier()
 dist.destroy_process_group()
