@@ -31,7 +31,7 @@ from .buckets import compute_dtype, stack_as
 from .comm import Axis
 from .hyperparams import state_dtype
 from .lowrank import column_normalize, dion_rank, orthonormalize
-from .matrices import matrix_blocks, matrix_seed, param_matrices
+from .matrices import matrix_blocks, matrix_seed, param_matrices, single_matrix
 from .placement import MatrixLayout, dim0_shards, like_param, local
 from .signs import padded_length
 
@@ -76,12 +76,12 @@ def initial_q(layout: MatrixLayout, group: dict, seed: int, dtype: torch.dtype, 
 
 
 def q_shape(param: torch.Tensor, group: dict, label: str = "") -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global, local) shape of a param's Q state. A 2-D param (one matrix): b×r, locally this rank's
-    block of b (split like X's b side over the shard / tensor axes). A 3-D stack or a `split` param
-    (its matrices j, the blocks of one slab, shardopt/matrices.py): (*E, Σ_j b_j, max_j r_j), the
+    """(global, local) shape of a param's Q state. One matrix (`single_matrix`): b×r, locally this
+    rank's block of b (split like X's b side over the shard / tensor axes). A 3-D stack or a param
+    split into blocks (its matrices j, the blocks of one slab, shardopt/matrices.py): (*E, Σ_j b_j, max_j r_j), the
     local rows following the param's dim 0 (rows, or experts) when the param is sharded."""
     blocks = matrix_blocks(param, group, label)
-    if param.ndim == 2 and group.get("split") is None:
+    if single_matrix(param, group):
         layout = blocks[0].layout
         b, r = oriented_shape(layout)[1], rank_of(layout, group)
         return (b, r), (oriented_block(layout)[1][1], r)
@@ -105,7 +105,7 @@ def init_state(param: torch.Tensor, group: dict, seed: int) -> dict:
         block = matrix.of_state(Q)
         block[:, :rank_of(matrix.layout, group)] = initial_q(matrix.layout, group, matrix_seed(seed, matrix.index),
                                                             dtype, device)
-    if param.ndim == 2 and group.get("split") is None:
+    if single_matrix(param, group):
         layout = matrices[0].layout
         Q = like_param(param, Q, global_shape[0], 0 if layout.transpose else 1) if layout.split else Q
     elif dim0_shards(param):
@@ -230,14 +230,14 @@ def gathered_orthonormalize(P: torch.Tensor, a_axis: Axis, a_parts: tuple[int, .
 
 
 def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int,
-         tensor: Axis | None = None):
+         tensor: Axis):
     """One Dion step on a bucket of same-layout matrices (local tensors, updated in place).
-    A generator that yields each collective (schedule.overlap runs it). `tensor`: the tensor axis
-    (None: size 1).
+    A generator that yields each collective (schedule.overlap runs it). The layout says which of
+    `shard` and `tensor` split the matrices (a whole matrix joins neither's collectives).
 
     Working memory: one fp32 copy of the bucket's momenta (B, updated in place), k·(a + b)·r for
     P, Q, R, and one matrix's update at a time."""
-    axes = {"shard": shard, "tensor": tensor or Axis("tensor")}
+    axes = {"shard": shard, "tensor": tensor}
     a_names, b_names = oriented_axes(layout)
     b_axes = [axes[name] for name in b_names]
     dtype = compute_dtype(params[0].dtype)

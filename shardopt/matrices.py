@@ -103,11 +103,18 @@ def _overlap(start: int, stop: int, lo: int, hi: int) -> tuple[int, int]:
     return begin, max(begin, min(stop, hi) - lo)
 
 
+def single_matrix(param: torch.Tensor, group: dict) -> bool:
+    """`param` is one matrix with the layout placement.py gives it: 2-D, without a `split` into
+    several blocks (its b-side state then follows that layout, tensor-parallel splits included)."""
+    spec = group.get("split")
+    return param.ndim == 2 and (spec is None or len(tuple(spec[1])) == 1)
+
+
 def matrix_blocks(param: torch.Tensor, group: dict, label: str = "") -> list[ParamMatrix]:
     """The matrices of one (m×n) slab of `param` (the param itself when 2-D, any expert when 3-D),
     in block order, with expert=None and index = block."""
     dim, sizes = split_sizes(param, group, label)
-    if param.ndim == 2 and len(sizes) == 1:   # one 2-D matrix: its layout as placement.py gives it
+    if single_matrix(param, group):
         return [ParamMatrix(layout=matrix_layout(param), index=0, expert=None, rows=slice(None), cols=slice(None),
                             state_rows=slice(None))]
     m, n = param.shape[-2:]

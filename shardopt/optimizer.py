@@ -113,6 +113,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         self.replicate = Axis("replicate", replicate_mesh)
         self.shard = Axis("shard", shard_mesh)
         self.tensor = Axis("tensor", tensor_mesh)
+        self.axes = (self.replicate, self.shard, self.tensor)   # the axes whose ranks hold the same params
         self._check_ranks_agree(agreement_timeout_s)
         self.reset_comm_stats()
 
@@ -152,7 +153,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         fields = {"number of params": len(description), "param shapes/dtypes/placements": zlib.crc32("\n".join(description).encode()),
                   "group settings": zlib.crc32("\n".join(settings).encode()), "seed": self.seed,
                   "bucket_bytes": self.bucket_bytes, "double_averaging_check_every": self.double_averaging_check_every}
-        for axis in (self.replicate, self.shard, self.tensor):
+        for axis in self.axes:
             per_rank = axis.agree(list(fields.values()), timeout_s)
             for position, field in enumerate(fields):
                 values = [row[position] for row in per_rank]
@@ -222,7 +223,7 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     def agreement_axes(self) -> tuple[Axis, ...]:
         """The axes over which every rank must take the same branch of a step."""
-        return (self.replicate, self.shard, self.tensor)
+        return self.axes
 
     def _device(self) -> torch.device:
         """Where this rank's small collectives live (its first param's device)."""
@@ -240,7 +241,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         if flag == 0:
             return set(params)
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=self._device())
-        for axis in (self.replicate, self.shard, self.tensor):   # the axes whose ranks step the same params (a subclass's
+        for axis in self.axes:                      # the axes whose ranks step the same params (a subclass's
             axis.all_reduce(has_grad, "max")        # further agreement axes, e.g. ZeRO's node, may own others)
         stepping = {p for p, anywhere in zip(params, has_grad.tolist()) if anywhere}
         if not stepping and not self._warned_no_gradients:
@@ -364,12 +365,11 @@ class ShardOptimizer(torch.optim.Optimizer):
     # ---- distributed helpers ------------------------------------------------------------------
     def comm_stats(self) -> dict:
         """Bytes this rank sent/received and calls issued per axis since construction (or the last reset)."""
-        return {"replicate": self.replicate.stats(), "shard": self.shard.stats(), "tensor": self.tensor.stats()}
+        return {axis.name: axis.stats() for axis in self.axes}
 
     def reset_comm_stats(self) -> None:
-        self.replicate.reset_stats()
-        self.shard.reset_stats()
-        self.tensor.reset_stats()
+        for axis in self.axes:
+            axis.reset_stats()
 
     @torch.no_grad()
     def synchronize_for_checkpoint(self) -> None:

@@ -278,7 +278,7 @@ def dim0_shards(param: torch.Tensor, label: str = "") -> tuple[tuple[int, ...], 
     if not is_dtensor(param):
         return None
     roles = _roles(param, label)
-    if roles.tensor is not None and "tensor" in roles.row_axes + roles.col_axes:
+    if "tensor" in roles.row_axes + roles.col_axes:
         raise ValueError(f"param {label} with shape {tuple(param.shape)} is placed {param.placements}: tensor "
                          f"parallelism is supported on 2-D weights without a `split` only; shard 3-D expert "
                          f"stacks with Shard(0) (FSDP2 or expert parallelism), and keep split params off the "

@@ -141,11 +141,11 @@ def voted_direction(grads, states, group: dict, layout: MatrixLayout, replicate:
 
 
 def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int,
-         tensor: Axis | None = None):
+         tensor: Axis):
     """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place).
-    A generator that yields each collective (schedule.overlap runs it). `tensor`: the tensor axis
-    (None: size 1)."""
-    V = yield from voted_direction(grads, states, group, layout, replicate, shard, seed, tensor or Axis("tensor"))
+    A generator that yields each collective (schedule.overlap runs it). The layout says which of
+    `shard` and `tensor` split the matrices (a whole matrix joins neither's collectives)."""
+    V = yield from voted_direction(grads, states, group, layout, replicate, shard, seed, tensor)
     update = _polar(group)(V.to(compute_dtype(params[0].dtype))) if group["post_polar"] else V
     m, n = layout.shape
     scale = 1.0 if group["lr_scale"] == "none" else 1 / math.sqrt(n)
@@ -153,9 +153,9 @@ def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Ax
 
 
 def muon_step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int,
-              tensor: Axis | None = None):
+              tensor: Axis):
     """One Muon step (baseline): full-precision gradient mean, then polar of the momentum (a generator)."""
     G = yield replicate.all_reduce(stack_as(grads, compute_dtype(grads[0].dtype)), "mean", async_op=True)
-    U = yield from _direction(list(G), states, group, layout, shard, tensor or Axis("tensor"))
+    U = yield from _direction(list(G), states, group, layout, shard, tensor)
     m, n = layout.shape
     _apply(params, U, group, math.sqrt(max(1.0, m / n)))
