@@ -177,11 +177,20 @@ class Axis:
         return self._issue(work, lambda: out, async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, async_op: bool = False):
-        """(M·k, …) → this rank's (k, …) piece of the sum over the axis."""
+        """(M·k, …) → this rank's (k, …) piece of the sum over the axis.
+
+        gloo's reduce-scatter is a whole all-reduce on the wire (each rank sends S, not (M−1)·S/M: measured
+        on the link counters), so on gloo it runs as an all-to-all of the M pieces, (M·k, …) → (M, k, …)
+        from every rank, summed here: the standard volume, which is what `_count` counts."""
         if self.size == 1:
             return self._issue(None, lambda: tensor, async_op)
         self._count("reduce_scatter", tensor)
-        out = tensor.new_empty((tensor.size(0) // self.size, *tensor.shape[1:]))
+        piece_shape = (tensor.size(0) // self.size, *tensor.shape[1:])
+        if tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(self.group)):
+            pieces = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            work = dist.all_to_all_single(pieces, tensor.contiguous(), group=self.group, async_op=True)
+            return self._issue(work, lambda: pieces.view(self.size, *piece_shape).sum(0), async_op)
+        out = tensor.new_empty(piece_shape)
         work = _reduce_scatter(out.view(-1), tensor.contiguous().view(-1), group=self.group, async_op=True)
         return self._issue(work, lambda: out, async_op)
 

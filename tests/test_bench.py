@@ -131,8 +131,41 @@ def test_csv_schemas_are_the_issues_columns_and_write_csv_rejects_others(tmp_pat
     assert runs.read_csv(tmp_path / "c.csv") == [{k: str(v) for k, v in good.items()}]
     with pytest.raises(ValueError, match="schema"):
         runs.write_csv(tmp_path / "bad.csv", runs.CONVERGENCE_FIELDS, [{**good, "extra": 1}])
-    slow = slowlink.row(runs.methods(64)[0], 100.0, 1, 3e-3, runs.summarize(_rows([(2, 100, 10, 4.0)])), 12.0, 3.0)
-    assert list(slow) == runs.SLOWLINK_FIELDS and slow["time_to_target_s"] == "inf"
+    unlimited = slowlink.row(runs.methods(64)[0], math.inf, 1, 3e-3, runs.summarize(_rows([(2, 100, 10, 4.0)])), 3.0)
+    assert list(unlimited) == runs.SLOWLINK_FIELDS and unlimited["time_to_target_s"] == "inf"
+    assert unlimited["wire_bytes_per_step"] == ""
+    with pytest.raises(ValueError, match="link_tx_bytes"):      # over the link a run must have logged the counter
+        slowlink.row(runs.methods(64)[0], 100.0, 1, 3e-3, runs.summarize(_rows([(2, 100, 10, 4.0)])), 3.0)
+
+
+def test_wire_bytes_are_the_link_counter_between_the_first_and_last_trained_rows():
+    rows = _rows([(1, 100, 10, None), (2, 100, 10, None), (5, 100, 10, 4.0)])
+    for row, counter in zip(rows, ["", "9000", "9500", "11000"]):     # 9000 by step 1: the start-up
+        row["link_tx_bytes"] = counter
+    assert runs.summarize(rows).wire_bytes_per_step == (11000 - 9000) / (5 - 1)
+    row = slowlink.row(runs.methods(64)[0], 10.0, 1, 3e-3, runs.summarize(rows), 3.0)
+    assert row["wire_bytes_per_step"] == 500
+    assert runs.summarize(rows[:2]).wire_bytes_per_step is None          # one trained row: no interval
+
+
+def test_a_campaign_replaces_its_rows_and_keeps_the_others():
+    kept = [{"method": "a", "rate_mbit": "10", "procs_per_node": "1", "x": "old"},
+            {"method": "a", "rate_mbit": "10", "procs_per_node": "2", "x": "old"}]
+    new = [{"method": "a", "rate_mbit": "10", "procs_per_node": 1, "x": "new"},
+           {"method": "b", "rate_mbit": "10", "procs_per_node": 1, "x": "new"}]
+    assert [r["x"] for r in slowlink.merged(kept, new)] == ["new", "old", "new"]
+
+
+def test_link_tx_bytes_sums_every_interface_but_loopback(tmp_path):
+    sys.path.insert(0, str(runs.ROOT / "integrations"))
+    import netdev
+    dev = tmp_path / "dev"
+    dev.write_text("Inter-|   Receive |  Transmit\n face |bytes packets|bytes packets\n"
+                   "    lo:  50 1 0 0 0 0 0 0  50 1 0 0 0 0 0 0\n"
+                   "   so0: 700 9 0 0 0 0 0 0 300 4 0 0 0 0 0 0\n"
+                   "  eth0:  10 1 0 0 0 0 0 0  20 1 0 0 0 0 0 0\n")
+    assert netdev.link_tx_bytes(dev) == 320
+    assert netdev.link_tx_bytes(tmp_path / "absent") is None
 
 
 def test_rate_strings_parse_to_mbit_and_bad_ones_are_refused():

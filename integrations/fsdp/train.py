@@ -57,11 +57,12 @@ try:
 except ImportError as error:
     raise SystemExit(f"train.py needs the 'train' extra ({error}): pip install -e '.[train]'") from error
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: model.py, data.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: model.py, data.py, netdev.py
 import data  # noqa: E402
 import shardopt  # noqa: E402
 from shardopt.vote import resolve_vote  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from netdev import link_tx_bytes  # noqa: E402
 
 started = time.perf_counter()
 
@@ -270,7 +271,7 @@ if args.resume:
 
 # ---- metrics: CSV rows (rank 0), kept up to the resumed step; TensorBoard --------------------
 FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "step_ms", "opt_step_ms",
-          "replicate_bytes_per_step", "shard_bytes_per_step", "replicate_bytes", "elapsed_s"]
+          "replicate_bytes_per_step", "shard_bytes_per_step", "replicate_bytes", "link_tx_bytes", "elapsed_s"]
 metrics_path = args.out_dir / "metrics.csv"
 rows = []
 board = None   # TensorBoard (rank 0, --tensorboard)
@@ -369,7 +370,8 @@ for step in progress:
                "tokens_per_s": f"{n * tokens_per_step / window['seconds']:.1f}",
                "step_ms": f"{1000 * window['seconds'] / n:.2f}", "opt_step_ms": f"{1000 * window['opt_seconds'] / n:.2f}",
                "replicate_bytes_per_step": window["replicate"] // n, "shard_bytes_per_step": window["shard"] // n,
-               "replicate_bytes": replicate_bytes, "elapsed_s": f"{time.perf_counter() - loop_started:.1f}"}
+               "replicate_bytes": replicate_bytes, "link_tx_bytes": link_tx_bytes() or "",
+               "elapsed_s": f"{time.perf_counter() - loop_started:.1f}"}
         if master:
             write_row(row)
         progress.set_postfix(loss=f"{train_loss:.3f}", refresh=False)

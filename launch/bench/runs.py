@@ -198,13 +198,18 @@ class Summary:
     replicate_bytes_total: int
     final_val_loss: float
     curve: list[tuple[int, float, float, int]] = field(default_factory=list)   # (step, train s, val loss, bytes so far)
+    wire_bytes_per_step: float | None = None    # link_tx_bytes from the first trained row to the last / steps between
 
 
 def summarize(rows: list[dict]) -> Summary:
     """Step-time median, bytes, final val loss and the val-loss curve (by step, training seconds and
-    bytes sent so far) of one run's metrics.csv rows (integrations/fsdp/train.py or train_ddp.py)."""
+    bytes sent so far) of one run's metrics.csv rows (integrations/fsdp/train.py or train_ddp.py).
+
+    Wire bytes per step = (link_tx_bytes at the last row − at the first trained row) / the steps between:
+    the steady steps (and the evaluations among them) without the start-up before the first step;
+    None where the rows have no such counter (an older run, not Linux) or fewer than two trained rows."""
     seconds, sent, previous = 0.0, 0, 0
-    step_ms, curve = [], []
+    step_ms, curve, link = [], [], []
     for row in rows:
         step = int(row["step"])
         if row.get("step_ms"):
@@ -212,12 +217,15 @@ def summarize(rows: list[dict]) -> Summary:
             sent += int(row["replicate_bytes_per_step"]) * (step - previous)
             step_ms.append(float(row["step_ms"]))
             previous = step
+            if row.get("link_tx_bytes"):
+                link.append((step, int(row["link_tx_bytes"])))
         if row.get("val_loss"):
             curve.append((step, seconds, float(row["val_loss"]), sent))
     if not curve or not step_ms:
         raise ValueError("metrics.csv holds no trained step with a val loss; was the run evaluated (--eval-every)?")
+    wire = (link[-1][1] - link[0][1]) / (link[-1][0] - link[0][0]) if len(link) > 1 else None
     return Summary(steps=previous, step_ms=statistics.median(step_ms), replicate_bytes_per_step=sent / max(1, previous),
-                   replicate_bytes_total=sent, final_val_loss=curve[-1][2], curve=curve)
+                   replicate_bytes_total=sent, final_val_loss=curve[-1][2], curve=curve, wire_bytes_per_step=wire)
 
 
 def time_to_target(curve: list[tuple[int, float, float, int]], target: float) -> float:

@@ -17,8 +17,10 @@ per node (P processes each): shardopt's methods on a (replicate 2, shard P) mesh
     step_ms                   median step time (compute + communication, from every step)
     replicate_bytes_per_step  bytes one rank sends per step between nodes, counted (shardopt's comm
                               layer; for DDP-based methods the all-reduces torch's hooks issue)
-    wire_bytes_per_step       bytes node 1 sent on the veth per step (whole run incl. start-up / steps;
-                              all P ranks of the node together)
+    wire_bytes_per_step       bytes node 1 sent on the veth per step, all P ranks of the node together:
+                              its kernel counter (link_tx_bytes in metrics.csv) from the end of step 1
+                              to the last step, so the start-up (DDP's model broadcast, rendezvous) is
+                              not spread over the steps; evaluations between steps are in it
     time_to_target_s          training seconds (sum of step times, evaluations excluded) until val loss
                               ≤ the target; inf when not reached
     final_val_loss
@@ -26,7 +28,10 @@ per node (P processes each): shardopt's methods on a (replicate 2, shard P) mesh
 Vocabulary: --tokenizer bpe (default; BPE-4096 of integrations/data.py --tokenizer bpe) or byte (256);
 the runs print it. Methods with "_lion" use shardopt's 1-bit Lion vote for the embeddings and norms
 instead of AdamW with a full-precision mean. The namespaces are always deleted at the end (also on
-an error or SIGTERM); NETNS_PREFIX picks their names (default bench).
+an error or SIGTERM); NETNS_PREFIX picks their names (default bench). The CSV is updated, not
+replaced: a campaign's rows replace those with the same (method, rate_mbit, procs_per_node), other rows
+stay (so 1 and 2 procs per node can run as two campaigns); the PNG plots every row whose run folder
+is still under --work-dir.
 """
 
 from __future__ import annotations
@@ -54,12 +59,6 @@ def rate_mbit(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: give a number and one of {', '.join(RATES)} (e.g. 100mbit)")
 
 
-def wire_tx(prefix: str) -> int:
-    done = subprocess.run([str(runs.TWONODE), "bytes", "1"], capture_output=True, text=True, check=True,
-                          env={**os.environ, "NETNS_PREFIX": prefix})
-    return int(done.stdout.split()[0])
-
-
 @contextlib.contextmanager
 def two_nodes(prefix: str, rate: str):
     """The two namespaces at `rate` for the duration; deleted on the way out, whatever happens."""
@@ -76,29 +75,50 @@ def best_lrs(path: Path) -> dict[str, float]:
     return {entry["method"]: float(entry["lr"]) for entry in best_table(runs.read_csv(path))}
 
 
-def row(method: runs.Method, rate: float, procs: int, lr: float, summary: runs.Summary, wire: float | str,
-        target: float) -> dict:
+def run_dir(work_dir: Path, procs: int, rate: float, method: str) -> Path:
+    return work_dir / f"p{procs}_{'unlimited' if math.isinf(rate) else f'{rate:g}mbit'}_{method.replace('/', '_')}"
+
+
+def row(method: runs.Method, rate: float, procs: int, lr: float, summary: runs.Summary, target: float) -> dict:
+    """One CSV row; wire bytes only for a run over the emulated link (rate finite)."""
+    wire = summary.wire_bytes_per_step
+    if not math.isinf(rate) and wire is None:
+        raise ValueError("a run over the link logged no link_tx_bytes: metrics.csv is from an older train script")
     return {"method": method.name, "rate_mbit": f"{rate:g}", "procs_per_node": procs, "lr": f"{lr:g}",
             "steps": summary.steps, "step_ms": f"{summary.step_ms:.1f}",
             "replicate_bytes_per_step": round(summary.replicate_bytes_per_step),
-            "wire_bytes_per_step": wire if isinstance(wire, str) else round(wire),
+            "wire_bytes_per_step": "" if math.isinf(rate) else round(wire),
             "time_to_target_s": f"{runs.time_to_target(summary.curve, target):.1f}",
             "final_val_loss": f"{summary.final_val_loss:.4f}"}
 
 
+def merged(kept: list[dict], new: list[dict]) -> list[dict]:
+    """kept's rows with new's replacing those of the same (method, rate_mbit, procs_per_node), new ones appended."""
+    key = lambda r: (r["method"], str(r["rate_mbit"]), str(r["procs_per_node"]))   # noqa: E731
+    fresh = {key(r): r for r in new}
+    return [fresh.pop(key(r), r) for r in kept] + list(fresh.values())
+
+
 def plot(curves: dict, targets: dict, path: Path) -> None:
+    """Val loss against training seconds (log scale), one panel per (procs per node, rate)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = sorted({key[:2] for key in curves})
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for axis, (procs, rate) in zip(axes[0], panels):
+    procs_list, rate_list = sorted({key[0] for key in curves}), sorted({key[1] for key in curves})
+    figure, axes = plt.subplots(len(procs_list), len(rate_list), figsize=(5 * len(rate_list), 4 * len(procs_list)),
+                                squeeze=False)
+    for (i, procs), (j, rate) in itertools.product(enumerate(procs_list), enumerate(rate_list)):
+        axis = axes[i][j]
         shown = [(name, curve) for (p, r, name), curve in curves.items() if (p, r) == (procs, rate)]
+        if not shown:
+            axis.set_visible(False)
+            continue
         for index, (name, curve) in enumerate(shown):
-            axis.plot([c[1] for c in curve], [c[2] for c in curve], marker=".", label=name,
+            axis.plot([c[1] for c in curve[1:]], [c[2] for c in curve[1:]], marker=".", label=name,
                       color=plt.cm.tab20.colors[index % 20])
-        axis.axhline(targets[procs], color="gray", linestyle="--", label="target")
-        axis.set(xlabel="training seconds", ylabel="val loss",
+        if procs in targets:
+            axis.axhline(targets[procs], color="gray", linestyle="--", label="target")
+        axis.set(xlabel="training seconds", ylabel="val loss", xscale="log",
                  title=f"{'no limit' if math.isinf(rate) else f'{rate:g} Mbit/s'}, {procs} proc/node")
         axis.legend(fontsize=7)
     figure.savefig(path, dpi=100, bbox_inches="tight")
@@ -130,14 +150,15 @@ def main() -> None:
     prefix = os.environ.get("NETNS_PREFIX", "bench")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))   # so `finally` tears down
     ports = itertools.count(29650)
-    rows, curves, targets, failed = [], {}, {}, []
+    kept = runs.read_csv(args.csv) if args.csv.exists() else []
+    rows, targets, failed = [], {}, []
     print(f"slowlink: vocabulary {args.tokenizer}; {args.steps} steps; methods {', '.join(m.name for m in chosen)}", flush=True)
     def measure(method: runs.Method, procs: int, rate: str | None) -> runs.Summary | None:
         """One run (rate None: on this machine, no link limit); appends its row, or notes its failure."""
-        out = args.work_dir / f"p{procs}_{rate or 'unlimited'}_{method.name.replace('/', '_')}"
+        mbit = rates[rate] if rate else math.inf
+        out = run_dir(args.work_dir, procs, mbit, method.name)
         lr = lrs.get(method.name, method.lr)
         argv = method.command(lr, args.seed, out, model, 2, procs)
-        before = wire_tx(prefix) if rate else 0
         try:
             if rate:
                 runs.run_two_nodes(argv, procs, prefix, next(ports), out / "log.txt", args.run_timeout)
@@ -149,12 +170,9 @@ def main() -> None:
             return None
         summary = runs.summarize(runs.read_metrics(out))
         targets.setdefault(procs, summary.final_val_loss)    # the first run of each P is ddp_adamw's unlimited one
-        mbit = rates[rate] if rate else math.inf
-        wire = (wire_tx(prefix) - before) / summary.steps if rate else ""
-        rows.append(row(method, mbit, procs, lr, summary, wire, targets[procs]))
-        curves[(procs, mbit, method.name)] = summary.curve
+        rows.append(row(method, mbit, procs, lr, summary, targets[procs]))
         print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-        runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, rows)   # after each run: a partial file is usable
+        runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, merged(kept, rows))   # after each run: a partial file is usable
         return summary
 
     for procs in args.procs_per_node:
@@ -169,9 +187,17 @@ def main() -> None:
                 for method in chosen:
                     measure(method, procs, rate)
     runs.print_table(rows)
+    everything = merged(kept, rows)
+    targets = {int(r["procs_per_node"]): float(r["final_val_loss"]) for r in everything
+               if r["method"] == baseline.name and math.isinf(float(r["rate_mbit"]))}
+    curves = {}
+    for r in everything:
+        out = run_dir(args.work_dir, int(r["procs_per_node"]), float(r["rate_mbit"]), r["method"])
+        if (out / "metrics.csv").exists():
+            curves[(int(r["procs_per_node"]), float(r["rate_mbit"]), r["method"])] = runs.summarize(runs.read_metrics(out)).curve
     png = args.csv.with_suffix(".png")
     plot(curves, targets, png)
-    print(f"wrote {args.csv} and {png}")
+    print(f"wrote {args.csv} ({len(rows)} rows of this campaign, {len(everything) - len(rows)} kept) and {png}")
     if failed:
         raise SystemExit("these runs failed (their rows are missing; logs under --work-dir):\n" + "\n".join(failed))
 

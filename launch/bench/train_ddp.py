@@ -46,10 +46,11 @@ import data  # noqa: E402
 import shardopt  # noqa: E402
 from counting import CountingAllReduce  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from netdev import link_tx_bytes  # noqa: E402
 
 METHODS = ("ddp_adamw", "ddp_muon", "powersgd", "localsgd", "signsgd")
 FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "step_ms", "replicate_bytes_per_step",
-          "within_node_bytes_per_step", "elapsed_s"]
+          "within_node_bytes_per_step", "link_tx_bytes", "elapsed_s"]
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--method", choices=METHODS, required=True)
@@ -208,7 +209,7 @@ for step in range(1, args.steps + 1):
                "lr": f"{args.lr * lr:.6g}", "train_loss": f"{mean_over_ranks(window['loss'] / n):.6f}",
                "val_loss": f"{evaluate():.6f}" if evaluate_now else "", "step_ms": f"{1000 * window['seconds'] / n:.2f}",
                "replicate_bytes_per_step": window["between"] // n, "within_node_bytes_per_step": window["within"] // n,
-               "elapsed_s": f"{time.perf_counter() - loop_started:.1f}"}
+               "link_tx_bytes": link_tx_bytes() or "", "elapsed_s": f"{time.perf_counter() - loop_started:.1f}"}
         write_row(row)
         if master:
             print(f"step {step}/{args.steps}: train loss {row['train_loss']}"
