@@ -103,6 +103,38 @@ def headline_table(rows: list[dict], replicas: int = 8) -> str:
     return "\n".join(lines)
 
 
+def slowlink_table(rows: list[dict]) -> str:
+    """launch/bench/slowlink.py's rows as one line per (procs per node, method): time to the target at
+    each rate and its ratio to ddp_adamw's at the same rate (the same campaign), step time without a
+    limit (compute) and the largest wire/counted ratio over the rates."""
+    rates = sorted({float(r["rate_mbit"]) for r in rows}, reverse=True)
+    label = {rate: "no limit" if rate == float("inf") else f"{rate:g} Mbit/s" for rate in rates}
+    cell = {(r["procs_per_node"], r["method"], float(r["rate_mbit"])): r for r in rows}
+    lines = ["| procs/node | method | lr | final val loss | step ms, no limit | "
+             + " | ".join(f"time to target, {label[rate]} (vs ddp_adamw)" for rate in rates) + " | wire / counted (max) |",
+             "|---:|---|---:|---:|---:|" + "---:|" * len(rates) + "---:|"]
+    for procs, method in dict.fromkeys((r["procs_per_node"], r["method"]) for r in rows):
+        mine = [cell.get((procs, method, rate)) for rate in rates]
+        first = next(r for r in mine if r)
+        times = []
+        for rate, row in zip(rates, mine):
+            baseline = cell.get((procs, "ddp_adamw", rate))
+            if row is None:
+                times.append("–")
+                continue
+            seconds = float(row["time_to_target_s"])
+            ratio = float(baseline["time_to_target_s"]) / seconds if baseline and seconds not in (0, float("inf")) else None
+            times.append("never" if seconds == float("inf") else
+                         f"{seconds:.1f} s" + (f" (1/{ratio:.1f})" if ratio and method != "ddp_adamw" else ""))
+        wire = [float(r["wire_bytes_per_step"]) / float(r["replicate_bytes_per_step"]) for r in mine
+                if r and r["wire_bytes_per_step"] and float(r["replicate_bytes_per_step"])]
+        unlimited = cell.get((procs, method, float("inf")))
+        lines.append(f"| {procs} | {method} | {first['lr']} | {float(first['final_val_loss']):.3f} | "
+                     f"{unlimited['step_ms'] if unlimited else '–'} | " + " | ".join(times)
+                     + (f" | {max(wire):.2f} |" if wire else " | – |"))
+    return "\n".join(lines)
+
+
 def plain_table(rows: list[dict]) -> str:
     columns = list(rows[0]) if rows else []
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -117,7 +149,8 @@ def tables(paths: list[Path]) -> str:
             rows = list(csv.DictReader(f))
         shown = path.relative_to(ROOT).as_posix() if path.resolve().is_relative_to(ROOT) else path.as_posix()
         render = training_table if rows and {"optimizer", "final_val_loss"} <= set(rows[0]) else \
-            comm_table if rows and "vs_ddp_fp32" in rows[0] else plain_table
+            comm_table if rows and "vs_ddp_fp32" in rows[0] else \
+            slowlink_table if rows and "time_to_target_s" in rows[0] else plain_table
         parts.append(f"<!-- {shown}: python launch/results_table.py {shown} -->\n{render(rows)}")
     return "\n\n".join(parts)
 
@@ -147,7 +180,9 @@ def main() -> None:
     parser.add_argument("csv", nargs="*", type=Path, help="default: results/demo.csv, then the other results/*.csv")
     parser.add_argument("--readme", type=Path, help="rewrite this README's results section instead of printing")
     args = parser.parse_args()
-    paths = [p.resolve() for p in args.csv] or sorted((ROOT / "results").glob("*.csv"), key=lambda p: (p.name != "demo.csv", p.name))
+    paths = [p.resolve() for p in args.csv] or sorted(
+        (p for p in (ROOT / "results").glob("*.csv") if not p.name.endswith("_curves.csv")),   # curves: in the PNGs
+        key=lambda p: (p.name != "demo.csv", p.name))
     text = tables(paths)
     if args.readme:
         comm = ROOT / "results" / "comm.csv"

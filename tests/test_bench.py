@@ -153,7 +153,8 @@ def test_a_campaign_replaces_its_rows_and_keeps_the_others():
             {"method": "a", "rate_mbit": "10", "procs_per_node": "2", "x": "old"}]
     new = [{"method": "a", "rate_mbit": "10", "procs_per_node": 1, "x": "new"},
            {"method": "b", "rate_mbit": "10", "procs_per_node": 1, "x": "new"}]
-    assert [r["x"] for r in slowlink.merged(kept, new)] == ["new", "old", "new"]
+    assert [(r["procs_per_node"], r["x"]) for r in runs.merged(kept, new, slowlink.SLOWLINK_KEY)] == \
+        [("2", "old"), (1, "new"), (1, "new")]
 
 
 def test_link_tx_bytes_sums_every_interface_but_loopback(tmp_path):

@@ -16,7 +16,15 @@ A run whose folder under --runs-dir holds a finished run of the same command is 
     results/convergence.csv       method, lr, seed, steps, final_val_loss, replicate_bytes_total
                                   (bytes one rank sent between nodes over the whole run)
     results/convergence_best.csv  per method the lr with the lowest mean final val loss over seeds
+    results/convergence_curves.csv  method, lr, seed, step, val_loss, replicate_bytes (sent so far): the
+                                  anytime curve of every run, from which the PNG is drawn
     results/convergence.png       val loss vs step and vs replicate bytes, each method at its best lr
+
+The CSVs are updated, not replaced: a campaign's runs replace the rows of the same (method, lr, seed)
+and the others stay, so a grid can be widened later (e.g. --methods ddp_adamw --lr-factors 0.25) and
+the best lr is chosen over everything in the file. A best lr whose curve is not in the curves file
+(a row from before it existed) is left out of the PNG, or with --rerun-for-curves run once more for its
+curve (the runs are deterministic).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import runs
 
 BEST_FIELDS = ["method", "lr", "seeds", "final_val_loss_mean", "final_val_loss_min", "final_val_loss_max",
                "replicate_bytes_total"]
+CURVE_FIELDS = ["method", "lr", "seed", "step", "val_loss", "replicate_bytes"]
 
 
 def best_table(rows: list[dict]) -> list[dict]:
@@ -60,6 +69,7 @@ def best_table(rows: list[dict]) -> list[dict]:
 
 
 def plot(curves: dict, best: list[dict], path: Path) -> None:
+    """curves: (method, lr, seed) → [(step, val loss, bytes so far)]; each best entry at its first seed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -68,9 +78,9 @@ def plot(curves: dict, best: list[dict], path: Path) -> None:
         color = plt.cm.tab20.colors[index % 20]                    # 11+ methods: more than the default 10 colours
         curve = curves[(entry["method"], entry["lr"], min(s for m, lr, s in curves if (m, lr) == (entry["method"], entry["lr"])))]
         label = f"{entry['method']} (lr {entry['lr']})"
-        by_step.plot([c[0] for c in curve], [c[2] for c in curve], marker=".", label=label, color=color)
+        by_step.plot([c[0] for c in curve], [c[1] for c in curve], marker=".", label=label, color=color)
         trained = [c for c in curve if c[0] > 0]                    # (step 0 sent nothing: no place on a log axis)
-        by_bytes.plot([c[3] for c in trained], [c[2] for c in trained], marker=".", label=label, color=color)
+        by_bytes.plot([c[2] for c in trained], [c[1] for c in trained], marker=".", label=label, color=color)
     by_step.set(xlabel="step", ylabel="val loss", title="val loss vs step (best lr, first seed)")
     by_bytes.set(xlabel="replicate bytes sent by one rank", ylabel="val loss", xscale="log", title="val loss vs bytes")
     by_step.legend(fontsize=7)
@@ -84,6 +94,8 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--best-seeds", nargs="*", type=int, default=[],
                         help="more seeds, run only at each method's best lr over --seeds (a cheaper second seed)")
+    parser.add_argument("--rerun-for-curves", action="store_true",
+                        help="run a best lr whose curve is not in the curves CSV again, for the PNG")
     runs.add_model_arguments(parser)
     parser.add_argument("--run-timeout", type=float, default=3600.0)
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS, help="one folder per run (reused when finished)")
@@ -94,7 +106,10 @@ def main() -> None:
     print(f"convergence: vocabulary {args.tokenizer}; 2 × 2 ranks; {args.steps} steps; "
           f"{len(chosen)} methods × {len(args.lr_factors)} lrs × seeds {args.seeds}"
           + (f", seeds {args.best_seeds} at the best lr" if args.best_seeds else ""), flush=True)
-    rows, curves, failed = [], {}, []
+    curves_csv = args.csv.with_name(args.csv.stem + "_curves.csv")
+    kept = runs.read_csv(args.csv) if args.csv.exists() else []
+    kept_curves = runs.read_csv(curves_csv) if curves_csv.exists() else []
+    rows, curve_rows, failed = [], [], []
 
     def train(method: runs.Method, lr: str, seed: int) -> None:
         out = runs.local_run_dir(args.runs_dir, method, float(lr), seed, 2)
@@ -109,25 +124,50 @@ def main() -> None:
         rows.append({"method": method.name, "lr": lr, "seed": seed, "steps": summary.steps,
                      "final_val_loss": f"{summary.final_val_loss:.4f}",
                      "replicate_bytes_total": summary.replicate_bytes_total})
-        curves[(method.name, lr, seed)] = summary.curve
+        curve_rows.extend({"method": method.name, "lr": lr, "seed": seed, "step": step, "val_loss": f"{loss:.6f}",
+                           "replicate_bytes": sent} for step, _, loss, sent in summary.curve)
         print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-        runs.write_csv(args.csv, runs.CONVERGENCE_FIELDS, rows)
+        runs.write_csv(args.csv, runs.CONVERGENCE_FIELDS, runs.merged(kept, rows, ("method", "lr", "seed")))
+        runs.write_csv(curves_csv, CURVE_FIELDS, runs.merged(kept_curves, curve_rows, ("method", "lr", "seed", "step")))
+
+    def best_of(method: runs.Method) -> list[dict]:
+        return [e for e in best_table(runs.merged(kept, rows, ("method", "lr", "seed"))) if e["method"] == method.name]
 
     for method in chosen:
         for factor in args.lr_factors:
             for seed in args.seeds:
                 train(method, f"{method.lr * factor:g}", seed)
-        if args.best_seeds:
-            best = [entry for entry in best_table(rows) if entry["method"] == method.name]
-            for seed in args.best_seeds if best else []:
-                train(method, best[0]["lr"], seed)
-    best = best_table(rows)
+        for seed in args.best_seeds if best_of(method) else []:
+            train(method, best_of(method)[0]["lr"], seed)
+    everything = runs.merged(kept, rows, ("method", "lr", "seed"))
+    best = best_table(everything)
+
+    def curves() -> dict:
+        found: dict = {}
+        for r in runs.merged(kept_curves, curve_rows, ("method", "lr", "seed", "step")):
+            found.setdefault((r["method"], r["lr"], int(r["seed"])), []).append(
+                (int(r["step"]), float(r["val_loss"]), int(r["replicate_bytes"])))
+        return found
+
+    by_name = {m.name: m for m in runs.methods(args.n_embd)}
+    for entry in best:
+        if not any((m, lr) == (entry["method"], entry["lr"]) for m, lr, _ in curves()):
+            seed = min(int(r["seed"]) for r in everything if (r["method"], r["lr"]) == (entry["method"], entry["lr"]))
+            if not args.rerun_for_curves:
+                print(f"{entry['method']} lr {entry['lr']}: no curve in {curves_csv.name}, not in the PNG "
+                      f"(--rerun-for-curves runs seed {seed} again for it)", flush=True)
+                continue
+            print(f"{entry['method']} lr {entry['lr']}: no curve in {curves_csv.name}; running seed {seed} again for it",
+                  flush=True)
+            train(by_name[entry["method"]], entry["lr"], seed)
     best_csv = args.csv.with_name(args.csv.stem + "_best.csv")
     runs.write_csv(best_csv, BEST_FIELDS, best)
     runs.print_table(best)
     png = args.csv.with_suffix(".png")
-    plot(curves, best, png)
-    print(f"wrote {args.csv}, {best_csv} and {png}")
+    drawn = {key: curve for key, curve in curves().items() if any((e["method"], e["lr"]) == key[:2] for e in best)}
+    plot(drawn, [e for e in best if any((e["method"], e["lr"]) == key[:2] for key in drawn)], png)
+    print(f"wrote {args.csv} ({len(rows)} runs of this campaign, {len(everything) - len(rows)} kept), {best_csv}, "
+          f"{curves_csv.name} and {png}")
     if failed:
         raise SystemExit("these runs failed (their rows are missing; logs under --runs-dir):\n" + "\n".join(failed))
 

@@ -125,8 +125,8 @@ def run_env() -> dict[str, str]:
 
 
 def local_run_dir(root: Path, method: "Method", lr: float, seed: int, procs_per_node: int) -> Path:
-    """Where a run on this machine (no link limit) lives; both drivers use it, so a run of convergence.py
-    (2 × 2 ranks) is slowlink.py's unlimited run at 2 procs per node and need not run twice."""
+    """Where one of convergence.py's runs on this machine lives (read back instead of rerun when finished).
+    slowlink.py keeps its own runs (its step times must come from a machine doing nothing else)."""
     return Path(root) / f"{method.name.replace('/', '_')}_lr{lr:g}_seed{seed}_p{procs_per_node}"
 
 
@@ -232,6 +232,15 @@ def time_to_target(curve: list[tuple[int, float, float, int]], target: float) ->
     """Training seconds at the first evaluation with val loss ≤ target (step 0 excluded: no training yet
     is no time); inf if never reached."""
     return next((seconds for step, seconds, loss, _ in curve if step > 0 and loss <= target), math.inf)
+
+
+def merged(kept: list[dict], new: list[dict], key_fields: tuple[str, ...]) -> list[dict]:
+    """kept's rows with new's rows replacing those of the same key (the values of key_fields, as strings);
+    new keys appended in new's order. How a campaign updates a committed CSV instead of replacing it."""
+    def key(row: dict) -> tuple:
+        return tuple(str(row[f]) for f in key_fields)
+    replaced = {key(r) for r in new}
+    return [r for r in kept if key(r) not in replaced] + new
 
 
 def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:

@@ -49,6 +49,7 @@ import runs
 from convergence import best_table
 
 RATES = {"gbit": 1000, "mbit": 1, "kbit": 0.001}
+SLOWLINK_KEY = ("method", "rate_mbit", "procs_per_node")     # a campaign replaces the rows of these values
 
 
 def rate_mbit(rate: str) -> float:
@@ -90,13 +91,6 @@ def row(method: runs.Method, rate: float, procs: int, lr: float, summary: runs.S
             "wire_bytes_per_step": "" if math.isinf(rate) else round(wire),
             "time_to_target_s": f"{runs.time_to_target(summary.curve, target):.1f}",
             "final_val_loss": f"{summary.final_val_loss:.4f}"}
-
-
-def merged(kept: list[dict], new: list[dict]) -> list[dict]:
-    """kept's rows with new's replacing those of the same (method, rate_mbit, procs_per_node), new ones appended."""
-    key = lambda r: (r["method"], str(r["rate_mbit"]), str(r["procs_per_node"]))   # noqa: E731
-    fresh = {key(r): r for r in new}
-    return [fresh.pop(key(r), r) for r in kept] + list(fresh.values())
 
 
 def plot(curves: dict, targets: dict, path: Path) -> None:
@@ -172,7 +166,7 @@ def main() -> None:
         targets.setdefault(procs, summary.final_val_loss)    # the first run of each P is ddp_adamw's unlimited one
         rows.append(row(method, mbit, procs, lr, summary, targets[procs]))
         print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-        runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, merged(kept, rows))   # after each run: a partial file is usable
+        runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, runs.merged(kept, rows, SLOWLINK_KEY))   # after each run: a partial file is usable
         return summary
 
     for procs in args.procs_per_node:
@@ -187,7 +181,7 @@ def main() -> None:
                 for method in chosen:
                     measure(method, procs, rate)
     runs.print_table(rows)
-    everything = merged(kept, rows)
+    everything = runs.merged(kept, rows, SLOWLINK_KEY)
     targets = {int(r["procs_per_node"]): float(r["final_val_loss"]) for r in everything
                if r["method"] == baseline.name and math.isinf(float(r["rate_mbit"]))}
     curves = {}

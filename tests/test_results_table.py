@@ -1,0 +1,25 @@
+"""launch/results_table.py: the README's slow-link table is computed from the CSV's rows."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+import results_table  # noqa: E402
+
+
+def _row(method, rate, target_s, step_ms="100.0", counted="1000", wire=""):
+    return {"method": method, "rate_mbit": rate, "procs_per_node": "1", "lr": "0.001", "steps": "200",
+            "step_ms": step_ms, "replicate_bytes_per_step": counted, "wire_bytes_per_step": wire,
+            "time_to_target_s": target_s, "final_val_loss": "5.0"}
+
+
+def test_slowlink_table_divides_by_ddp_adamw_at_the_same_rate_and_shows_wire_over_counted():
+    rows = [_row("ddp_adamw", "inf", "20.0"), _row("fast", "inf", "10.0", step_ms="150.0"),
+            _row("ddp_adamw", "10", "900.0", wire="1010"), _row("fast", "10", "12.0", wire="1100"),
+            _row("never", "10", "inf", wire="1000")]
+    lines = results_table.slowlink_table(rows).splitlines()
+    assert "no limit" in lines[0] and "10 Mbit/s" in lines[0]
+    fast = next(line for line in lines if "| fast |" in line)
+    assert "| 150.0 |" in fast and "10.0 s (1/2.0)" in fast and "12.0 s (1/75.0)" in fast and fast.endswith("| 1.10 |")
+    never = next(line for line in lines if "| never |" in line)
+    assert "| – | – | never | 1.00 |" in never          # no unlimited row: no compute time, no no-limit cell
