@@ -135,6 +135,24 @@ def slowlink_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def grid_table(rows: list[dict]) -> str:
+    """A learning-rate grid (convergence.csv, fashion_mnist.csv: method, lr, seed and a final metric) as one
+    line per method: every lr it ran, in increasing order, with the metric of each seed (seed order)."""
+    metric = "final_val_loss" if "final_val_loss" in rows[0] else "test_accuracy"
+    lines = [f"| method | {metric} at each lr (seeds in order; best marked **) |", "|---|---|"]
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        by_lr: dict[str, list[dict]] = {}
+        for r in sorted(mine, key=lambda r: (float(r["lr"]), int(r["seed"]))):
+            by_lr.setdefault(r["lr"], []).append(r)
+        first_seed = {lr: float(group[0][metric]) for lr, group in by_lr.items()}
+        best = (min if metric == "final_val_loss" else max)(first_seed, key=first_seed.get)
+        cells = [("**" if lr == best else "") + f"{lr}: " + " / ".join(r[metric] for r in group)
+                 + ("**" if lr == best else "") for lr, group in by_lr.items()]
+        lines.append(f"| {method} | " + " · ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plain_table(rows: list[dict]) -> str:
     columns = list(rows[0]) if rows else []
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -150,7 +168,8 @@ def tables(paths: list[Path]) -> str:
         shown = path.relative_to(ROOT).as_posix() if path.resolve().is_relative_to(ROOT) else path.as_posix()
         render = training_table if rows and {"optimizer", "final_val_loss"} <= set(rows[0]) else \
             comm_table if rows and "vs_ddp_fp32" in rows[0] else \
-            slowlink_table if rows and "time_to_target_s" in rows[0] else plain_table
+            slowlink_table if rows and "time_to_target_s" in rows[0] else \
+            grid_table if rows and {"method", "lr", "seed"} <= set(rows[0]) else plain_table
         parts.append(f"<!-- {shown}: python launch/results_table.py {shown} -->\n{render(rows)}")
     return "\n\n".join(parts)
 

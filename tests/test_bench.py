@@ -180,6 +180,9 @@ def test_best_table_picks_the_lr_with_the_lowest_mean_over_seeds():
             for lr, s, loss in [("1", 0, "3.0"), ("1", 1, "3.4"), ("2", 0, "3.1"), ("2", 1, "3.2")]]
     best = convergence.best_table(rows)
     assert [(b["method"], b["lr"], b["final_val_loss_mean"]) for b in best] == [("a", "2", "3.1500")]
+    for row in rows[:2]:            # rows read back from the CSV hold seeds as strings, new ones as ints
+        row["seed"] = str(row["seed"])
+    assert convergence.best_table(rows)[0]["lr"] == "2"
 
 
 def test_powersgd_matched_rank_sends_dion_quarter_bytes():

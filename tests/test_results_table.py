@@ -23,3 +23,12 @@ def test_slowlink_table_divides_by_ddp_adamw_at_the_same_rate_and_shows_wire_ove
     assert "| 150.0 |" in fast and "10.0 s (1/2.0)" in fast and "12.0 s (1/75.0)" in fast and fast.endswith("| 1.10 |")
     never = next(line for line in lines if "| never |" in line)
     assert "| – | – | never | 1.00 |" in never          # no unlimited row: no compute time, no no-limit cell
+
+
+def test_grid_table_orders_lrs_lists_seeds_and_marks_the_best_of_the_first_seed():
+    rows = [{"method": "m", "lr": lr, "seed": seed, "final_val_loss": loss}
+            for lr, seed, loss in [("0.01", "0", "4.9"), ("0.001", "0", "4.5"), ("0.001", "1", "4.4"), ("0.1", "0", "5.0")]]
+    line = results_table.grid_table(rows).splitlines()[2]
+    assert line == "| m | **0.001: 4.5 / 4.4** · 0.01: 4.9 · 0.1: 5.0 |"
+    accuracy = [{"method": "c", "lr": lr, "seed": "0", "test_accuracy": a} for lr, a in [("1", "0.8"), ("2", "0.9")]]
+    assert results_table.grid_table(accuracy).splitlines()[2] == "| c | 1: 0.8 · **2: 0.9** |"    # accuracy: the highest

@@ -49,11 +49,11 @@ def best_table(rows: list[dict]) -> list[dict]:
         by.setdefault((row["method"], row["lr"]), []).append(row)
     common: dict[str, set] = {}
     for (method, _), group in by.items():
-        seeds = {r["seed"] for r in group}
+        seeds = {str(r["seed"]) for r in group}       # (read back from a CSV, a seed is a string)
         common[method] = common[method] & seeds if method in common else seeds
 
     def score(method: str, group: list[dict]) -> float:
-        return statistics.mean(float(r["final_val_loss"]) for r in group if r["seed"] in common[method])
+        return statistics.mean(float(r["final_val_loss"]) for r in group if str(r["seed"]) in common[method])
 
     best: dict[str, list[dict]] = {}
     for (method, _), group in by.items():
@@ -137,7 +137,7 @@ def main() -> None:
         for factor in args.lr_factors:
             for seed in args.seeds:
                 train(method, f"{method.lr * factor:g}", seed)
-        for seed in args.best_seeds if best_of(method) else []:
+        for seed in args.best_seeds if args.best_seeds and best_of(method) else []:
             train(method, best_of(method)[0]["lr"], seed)
     everything = runs.merged(kept, rows, ("method", "lr", "seed"))
     best = best_table(everything)

@@ -125,7 +125,8 @@ def optimizer(model: nn.Module, method: str, lr: float, seed: int):
 
 
 def train(args) -> None:
-    """One method on this torchrun world (each rank a replica); rank 0 appends a row to args.csv."""
+    """One method on this torchrun world (each rank a replica); rank 0 puts its row into args.csv (replacing
+    a row of the same method, lr and seed; the others stay, so a grid can be widened later)."""
     import torch.distributed as dist
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -161,7 +162,7 @@ def train(args) -> None:
                "replicate_bytes_per_step": sent // args.steps}
         print(", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
         rows = runs.read_csv(args.csv) if args.csv.exists() else []
-        runs.write_csv(args.csv, FIELDS, rows + [row])
+        runs.write_csv(args.csv, FIELDS, runs.merged(rows, [row], ("method", "lr", "seed")))
     dist.destroy_process_group()
 
 
@@ -188,7 +189,6 @@ def main() -> None:
         train(args)
         return
     load(args.cache, "t10k")   # the data is there (a clear error now, not in every run)
-    args.csv.unlink(missing_ok=True)
     for method in args.methods:
         for factor in args.lr_factors:
             for seed in args.seeds:
