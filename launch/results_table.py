@@ -105,14 +105,16 @@ def headline_table(rows: list[dict], replicas: int = 8) -> str:
 
 def slowlink_table(rows: list[dict]) -> str:
     """launch/bench/slowlink.py's rows as one line per (procs per node, method): time to the target at
-    each rate and its ratio to ddp_adamw's at the same rate (the same campaign), step time without a
-    limit (compute) and the largest wire/counted ratio over the rates."""
+    each rate, its ratio to ddp_adamw's at the same rate (the same campaign) and the median step time
+    there (without a limit: compute only; its growth as the rate falls is the link's share), and the
+    largest wire/counted ratio over the rates."""
     rates = sorted({float(r["rate_mbit"]) for r in rows}, reverse=True)
     label = {rate: "no limit" if rate == float("inf") else f"{rate:g} Mbit/s" for rate in rates}
     cell = {(r["procs_per_node"], r["method"], float(r["rate_mbit"])): r for r in rows}
-    lines = ["| procs/node | method | lr | final val loss | step ms, no limit | "
-             + " | ".join(f"time to target, {label[rate]} (vs ddp_adamw)" for rate in rates) + " | wire / counted (max) |",
-             "|---:|---|---:|---:|---:|" + "---:|" * len(rates) + "---:|"]
+    lines = ["| procs/node | method | lr | final val loss | "
+             + " | ".join(f"{label[rate]}: time to target (vs ddp_adamw); step" for rate in rates)
+             + " | wire / counted (max) |",
+             "|---:|---|---:|---:|" + "---:|" * len(rates) + "---:|"]
     for procs, method in dict.fromkeys((r["procs_per_node"], r["method"]) for r in rows):
         mine = [cell.get((procs, method, rate)) for rate in rates]
         first = next(r for r in mine if r)
@@ -124,13 +126,12 @@ def slowlink_table(rows: list[dict]) -> str:
                 continue
             seconds = float(row["time_to_target_s"])
             ratio = float(baseline["time_to_target_s"]) / seconds if baseline and seconds not in (0, float("inf")) else None
-            times.append("never" if seconds == float("inf") else
-                         f"{seconds:.1f} s" + (f" (1/{ratio:.1f})" if ratio and method != "ddp_adamw" else ""))
+            times.append(("never" if seconds == float("inf") else
+                          f"{seconds:.1f} s" + (f" (1/{ratio:.1f})" if ratio and method != "ddp_adamw" else ""))
+                         + f"; {float(row['step_ms']):.0f} ms/step")
         wire = [float(r["wire_bytes_per_step"]) / float(r["replicate_bytes_per_step"]) for r in mine
                 if r and r["wire_bytes_per_step"] and float(r["replicate_bytes_per_step"])]
-        unlimited = cell.get((procs, method, float("inf")))
-        lines.append(f"| {procs} | {method} | {first['lr']} | {float(first['final_val_loss']):.3f} | "
-                     f"{unlimited['step_ms'] if unlimited else '–'} | " + " | ".join(times)
+        lines.append(f"| {procs} | {method} | {first['lr']} | {float(first['final_val_loss']):.3f} | " + " | ".join(times)
                      + (f" | {max(wire):.2f} |" if wire else " | – |"))
     return "\n".join(lines)
 
