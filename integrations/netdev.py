@@ -16,13 +16,18 @@ from pathlib import Path
 PROC_NET_DEV = Path("/proc/net/dev")
 
 
-def link_tx_bytes(proc_net_dev: Path = PROC_NET_DEV) -> int | None:
-    """Σ tx_bytes over the non-loopback interfaces; None where the file does not exist (not Linux)."""
+def interface_tx_bytes(proc_net_dev: Path = PROC_NET_DEV) -> dict[str, int] | None:
+    """{interface: tx_bytes} of this network namespace; None where the file does not exist (not Linux)."""
     if not proc_net_dev.exists():
         return None
-    total = 0
+    counters = {}
     for line in proc_net_dev.read_text().splitlines()[2:]:     # two header lines
-        name, _, counters = line.partition(":")
-        if name.strip() != "lo":
-            total += int(counters.split()[8])                  # 8 receive fields, then tx_bytes
-    return total
+        name, _, fields = line.partition(":")
+        counters[name.strip()] = int(fields.split()[8])        # 8 receive fields, then tx_bytes
+    return counters
+
+
+def link_tx_bytes(proc_net_dev: Path = PROC_NET_DEV) -> int | None:
+    """Σ tx_bytes over the non-loopback interfaces; None where the file does not exist (not Linux)."""
+    counters = interface_tx_bytes(proc_net_dev)
+    return None if counters is None else sum(sent for name, sent in counters.items() if name != "lo")

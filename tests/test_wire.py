@@ -6,23 +6,22 @@ must be within 5 % of `Axis`'s count (TCP and gloo headers are the rest). A back
 sends more than the standard volume (gloo's reduce-scatter is an all-reduce underneath) fails here.
 """
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-PROC_NET_DEV = Path("/proc/net/dev")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
+from netdev import PROC_NET_DEV, interface_tx_bytes  # noqa: E402
+
 NUMEL, REPEATS = 1 << 20, 4
-pytestmark = pytest.mark.skipif(not PROC_NET_DEV.exists() or " lo:" not in PROC_NET_DEV.read_text(),
+pytestmark = pytest.mark.skipif("lo" not in (interface_tx_bytes() or {}),
                                 reason="needs Linux's /proc/net/dev with a loopback interface")
 
 
 def _loopback_tx() -> int:
-    for line in PROC_NET_DEV.read_text().splitlines()[2:]:
-        name, _, counters = line.partition(":")
-        if name.strip() == "lo":
-            return int(counters.split()[8])
-    raise AssertionError("no lo in /proc/net/dev")
+    return interface_tx_bytes(PROC_NET_DEV)["lo"]
 
 
 def _sent_and_counted(kind: str):

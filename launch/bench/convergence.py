@@ -38,6 +38,7 @@ import runs
 BEST_FIELDS = ["method", "lr", "seeds", "final_val_loss_mean", "final_val_loss_min", "final_val_loss_max",
                "replicate_bytes_total"]
 CURVE_FIELDS = ["method", "lr", "seed", "step", "val_loss", "replicate_bytes"]
+CURVE_KEY = (*runs.RUN_KEY, "step")
 
 
 def best_table(rows: list[dict]) -> list[dict]:
@@ -127,31 +128,33 @@ def main() -> None:
         curve_rows.extend({"method": method.name, "lr": lr, "seed": seed, "step": step, "val_loss": f"{loss:.6f}",
                            "replicate_bytes": sent} for step, _, loss, sent in summary.curve)
         print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-        runs.write_csv(args.csv, runs.CONVERGENCE_FIELDS, runs.merged(kept, rows, ("method", "lr", "seed")))
-        runs.write_csv(curves_csv, CURVE_FIELDS, runs.merged(kept_curves, curve_rows, ("method", "lr", "seed", "step")))
+        runs.write_csv(args.csv, runs.CONVERGENCE_FIELDS, runs.merged(kept, rows, runs.RUN_KEY))
+        runs.write_csv(curves_csv, CURVE_FIELDS, runs.merged(kept_curves, curve_rows, CURVE_KEY))
 
     def best_of(method: runs.Method) -> list[dict]:
-        return [e for e in best_table(runs.merged(kept, rows, ("method", "lr", "seed"))) if e["method"] == method.name]
+        return [e for e in best_table(runs.merged(kept, rows, runs.RUN_KEY)) if e["method"] == method.name]
 
     for method in chosen:
         for factor in args.lr_factors:
             for seed in args.seeds:
                 train(method, f"{method.lr * factor:g}", seed)
-        for seed in args.best_seeds if args.best_seeds and best_of(method) else []:
-            train(method, best_of(method)[0]["lr"], seed)
-    everything = runs.merged(kept, rows, ("method", "lr", "seed"))
+        best = best_of(method) if args.best_seeds else []
+        for seed in args.best_seeds if best else []:
+            train(method, best[0]["lr"], seed)
+    everything = runs.merged(kept, rows, runs.RUN_KEY)
     best = best_table(everything)
 
     def curves() -> dict:
         found: dict = {}
-        for r in runs.merged(kept_curves, curve_rows, ("method", "lr", "seed", "step")):
+        for r in runs.merged(kept_curves, curve_rows, CURVE_KEY):
             found.setdefault((r["method"], r["lr"], int(r["seed"])), []).append(
                 (int(r["step"]), float(r["val_loss"]), int(r["replicate_bytes"])))
         return found
 
     by_name = {m.name: m for m in runs.methods(args.n_embd)}
+    with_curve = {key[:2] for key in curves()}
     for entry in best:
-        if not any((m, lr) == (entry["method"], entry["lr"]) for m, lr, _ in curves()):
+        if (entry["method"], entry["lr"]) not in with_curve:
             seed = min(int(r["seed"]) for r in everything if (r["method"], r["lr"]) == (entry["method"], entry["lr"]))
             if not args.rerun_for_curves:
                 print(f"{entry['method']} lr {entry['lr']}: no curve in {curves_csv.name}, not in the PNG "

@@ -162,7 +162,7 @@ def train(args) -> None:
                "replicate_bytes_per_step": sent // args.steps}
         print(", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
         rows = runs.read_csv(args.csv) if args.csv.exists() else []
-        runs.write_csv(args.csv, FIELDS, runs.merged(rows, [row], ("method", "lr", "seed")))
+        runs.write_csv(args.csv, FIELDS, runs.merged(rows, [row], runs.RUN_KEY))
     dist.destroy_process_group()
 
 

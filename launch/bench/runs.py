@@ -30,6 +30,7 @@ LOCAL_RUNS = ROOT / "runs" / "local"
 SLOWLINK_FIELDS = ["method", "rate_mbit", "procs_per_node", "lr", "steps", "step_ms", "replicate_bytes_per_step",
                    "wire_bytes_per_step", "time_to_target_s", "final_val_loss"]
 CONVERGENCE_FIELDS = ["method", "lr", "seed", "steps", "final_val_loss", "replicate_bytes_total"]
+RUN_KEY = ("method", "lr", "seed")      # one run of a learning-rate grid (convergence.py, fashion_mnist.py)
 DION_WIRE_ITEMSIZE = 2      # Dion's default wire_dtype is bfloat16 (docs/design.md §3)
 
 
