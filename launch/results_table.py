@@ -107,13 +107,14 @@ def slowlink_table(rows: list[dict]) -> str:
     """launch/bench/slowlink.py's rows as one line per (procs per node, method): time to the target at
     each rate, its ratio to ddp_adamw's at the same rate (the same campaign) and the median step time
     there (without a limit: compute only; its growth as the rate falls is the link's share), and the
-    largest wire/counted ratio over the rates."""
+    largest ratio over the rates of the bytes node 1 put on the link to those one rank counted (1 with
+    one process per node; with P, P for shardopt's P replicate groups, 1 for a DDP ring)."""
     rates = sorted({float(r["rate_mbit"]) for r in rows}, reverse=True)
     label = {rate: "no limit" if rate == float("inf") else f"{rate:g} Mbit/s" for rate in rates}
     cell = {(r["procs_per_node"], r["method"], float(r["rate_mbit"])): r for r in rows}
     lines = ["| procs/node | method | lr | final val loss | "
              + " | ".join(f"{label[rate]}: time to target (vs ddp_adamw); step" for rate in rates)
-             + " | wire / counted (max) |",
+             + " | wire per node / counted per rank (max) |",
              "|---:|---|---:|---:|" + "---:|" * len(rates) + "---:|"]
     for procs, method in dict.fromkeys((r["procs_per_node"], r["method"]) for r in rows):
         mine = [cell.get((procs, method, rate)) for rate in rates]

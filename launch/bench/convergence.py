@@ -11,7 +11,7 @@ shardopt's methods on a (replicate 2, shard 2) mesh, the DDP ones on 4 ranks wit
 (so their bytes between the two groups of ranks count as replicate bytes). Learning rates: each
 method's default × --lr-factors. Every method sees the same batches (same seed → same data).
 A run whose folder under --runs-dir holds a finished run of the same command is read back, not rerun
-(slowlink.py reads the same folders: its unlimited runs at 2 procs per node are these runs).
+(slowlink.py keeps its own runs: its step times come from a machine doing nothing else).
 
     results/convergence.csv       method, lr, seed, steps, final_val_loss, replicate_bytes_total
                                   (bytes one rank sent between nodes over the whole run)

@@ -8,7 +8,9 @@ Needs root (network namespaces), iproute2 and the prepared data (python integrat
 For each procs-per-node P: first `ddp_adamw` runs on this machine without a link limit (2·P ranks,
 torchrun --standalone); its final val loss is the target. With --unlimited all (default) every
 other method runs there too: its step_ms there is its compute, and the difference to its step_ms
-at a rate is what the link adds (the communication/compute split). Then for each rate, launch/netns/twonode.sh
+at a rate is what the link adds (the communication/compute split). A run without a limit whose
+folder under --work-dir holds a finished run of the same command (an earlier campaign's) is read
+back, not rerun; `--rates` with no rate runs only these. Then for each rate, launch/netns/twonode.sh
 makes two namespaces joined by a veth pair limited to the rate, and each method runs as one torchrun
 per node (P processes each): shardopt's methods on a (replicate 2, shard P) mesh, the DDP ones on
 2·P ranks. Columns (results/slowlink.csv):
@@ -120,7 +122,8 @@ def plot(curves: dict, targets: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit", "10mbit"])
+    parser.add_argument("--rates", nargs="*", default=["1gbit", "100mbit", "10mbit"],
+                        help="tc rates of the link (none: only the runs without a limit)")
     parser.add_argument("--procs-per-node", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
     parser.add_argument("--lr-from", type=Path, default=None,
@@ -157,7 +160,7 @@ def main() -> None:
             if rate:
                 runs.run_two_nodes(argv, procs, prefix, next(ports), out / "log.txt", args.run_timeout)
             else:
-                runs.run_local(argv, 2 * procs, out / "log.txt", args.run_timeout)
+                runs.run_local(argv, 2 * procs, out / "log.txt", args.run_timeout, reuse=True)
         except RuntimeError as error:      # one failed run does not end a day-long campaign
             failed.append(f"{method.name} at {rate or 'no limit'}, {procs} proc/node: {str(error)[:200]}")
             print(f"FAILED {failed[-1]}", flush=True)
