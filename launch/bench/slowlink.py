@@ -96,22 +96,23 @@ def row(method: runs.Method, rate: float, procs: int, lr: float, summary: runs.S
 
 
 def plot(curves: dict, targets: dict, path: Path) -> None:
-    """Val loss against training seconds (log scale), one panel per (procs per node, rate)."""
+    """Val loss against training seconds (log scale), one panel per (procs per node, rate); a method
+    has one colour in every panel."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     procs_list, rate_list = sorted({key[0] for key in curves}), sorted({key[1] for key in curves})
+    colour = {name: plt.cm.tab20.colors[i % 20] for i, name in enumerate(dict.fromkeys(key[2] for key in curves))}
     figure, axes = plt.subplots(len(procs_list), len(rate_list), figsize=(5 * len(rate_list), 4 * len(procs_list)),
-                                squeeze=False)
+                                squeeze=False, layout="constrained")
     for (i, procs), (j, rate) in itertools.product(enumerate(procs_list), enumerate(rate_list)):
         axis = axes[i][j]
         shown = [(name, curve) for (p, r, name), curve in curves.items() if (p, r) == (procs, rate)]
         if not shown:
             axis.set_visible(False)
             continue
-        for index, (name, curve) in enumerate(shown):
-            axis.plot([c[1] for c in curve[1:]], [c[2] for c in curve[1:]], marker=".", label=name,
-                      color=plt.cm.tab20.colors[index % 20])
+        for name, curve in shown:
+            axis.plot([c[1] for c in curve[1:]], [c[2] for c in curve[1:]], marker=".", label=name, color=colour[name])
         if procs in targets:
             axis.axhline(targets[procs], color="gray", linestyle="--", label="target")
         axis.set(xlabel="training seconds", ylabel="val loss", xscale="log",
