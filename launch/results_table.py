@@ -105,14 +105,15 @@ def headline_table(rows: list[dict], replicas: int = 8) -> str:
 
 def slowlink_table(rows: list[dict]) -> str:
     """launch/bench/slowlink.py's rows as one line per (procs per node, method): time to the target at
-    each rate, its ratio to ddp_adamw's at the same rate (the same campaign) and the median step time
+    each rate, its ratio to ddp_adamw's at the same rate ("1/k": k times faster, "k×": k times the time)
+    and the median step time
     there (without a limit: compute only; its growth as the rate falls is the link's share), and the
     largest ratio over the rates of the bytes node 1 put on the link to those one rank counted (1 with
     one process per node; with P, P for shardopt's P replicate groups, 1 for a DDP ring)."""
     rates = sorted({float(r["rate_mbit"]) for r in rows}, reverse=True)
     label = {rate: "no limit" if rate == float("inf") else f"{rate:g} Mbit/s" for rate in rates}
     cell = {(r["procs_per_node"], r["method"], float(r["rate_mbit"])): r for r in rows}
-    lines = ["| procs/node | method | lr | final val loss | "
+    lines = ["| procs/node | method | lr (scalar lr) | final val loss | "
              + " | ".join(f"{label[rate]}: time to target (vs ddp_adamw); step" for rate in rates)
              + " | wire per node / counted per rank (max) |",
              "|---:|---|---:|---:|" + "---:|" * len(rates) + "---:|"]
@@ -127,30 +128,38 @@ def slowlink_table(rows: list[dict]) -> str:
                 continue
             seconds = float(row["time_to_target_s"])
             ratio = float(baseline["time_to_target_s"]) / seconds if baseline and seconds not in (0, float("inf")) else None
-            times.append(("never" if seconds == float("inf") else
-                          f"{seconds:.1f} s" + (f" (1/{ratio:.1f})" if ratio and method != "ddp_adamw" else ""))
+            versus = "" if not ratio or method == "ddp_adamw" else f" (1/{ratio:.1f})" if ratio >= 1 else f" ({1 / ratio:.1f}×)"
+            times.append(("never" if seconds == float("inf") else f"{seconds:.1f} s{versus}")
                          + f"; {float(row['step_ms']):.0f} ms/step")
         wire = [float(r["wire_bytes_per_step"]) / float(r["replicate_bytes_per_step"]) for r in mine
                 if r and r["wire_bytes_per_step"] and float(r["replicate_bytes_per_step"])]
-        lines.append(f"| {procs} | {method} | {first['lr']} | {float(first['final_val_loss']):.3f} | " + " | ".join(times)
+        lines.append(f"| {procs} | {method} | {setting_text(first)} | {float(first['final_val_loss']):.3f} | "
+                     + " | ".join(times)
                      + (f" | {max(wire):.2f} |" if wire else " | – |"))
     return "\n".join(lines)
 
 
+def setting_text(row: dict) -> str:
+    """A row's learning rates: "lr" or, with a scalar_lr column, "lr (scalar_lr)"."""
+    return row["lr"] + (f" ({row['scalar_lr']})" if row.get("scalar_lr") else "")
+
+
 def grid_table(rows: list[dict]) -> str:
-    """A learning-rate grid (convergence.csv, fashion_mnist.csv: method, lr, seed and a final metric) as one
-    line per method: every lr it ran, in increasing order, with the metric of each seed (seed order)."""
+    """A learning-rate grid (convergence.csv, fashion_mnist.csv: method, lr, [scalar_lr,] seed and a final
+    metric) as one line per method: every setting it ran, by increasing lr (then scalar lr), with the metric
+    of each seed (seed order); the best by the first seed is marked."""
     metric = "final_val_loss" if "final_val_loss" in rows[0] else "test_accuracy"
-    lines = [f"| method | {metric} at each lr (seeds in order; best marked **) |", "|---|---|"]
+    what = "lr (scalar lr)" if "scalar_lr" in rows[0] else "lr"
+    lines = [f"| method | {metric} at each {what} (seeds in order; best marked **) |", "|---|---|"]
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
-        by_lr: dict[str, list[dict]] = {}
-        for r in sorted(mine, key=lambda r: (float(r["lr"]), int(r["seed"]))):
-            by_lr.setdefault(r["lr"], []).append(r)
-        first_seed = {lr: float(group[0][metric]) for lr, group in by_lr.items()}
+        by_setting: dict[str, list[dict]] = {}
+        for r in sorted(mine, key=lambda r: (float(r["lr"]), float(r.get("scalar_lr") or 0), int(r["seed"]))):
+            by_setting.setdefault(setting_text(r), []).append(r)
+        first_seed = {key: float(group[0][metric]) for key, group in by_setting.items()}
         best = (min if metric == "final_val_loss" else max)(first_seed, key=first_seed.get)
-        cells = [("**" if lr == best else "") + f"{lr}: " + " / ".join(r[metric] for r in group)
-                 + ("**" if lr == best else "") for lr, group in by_lr.items()]
+        cells = [("**" if key == best else "") + f"{key}: " + " / ".join(r[metric] for r in group)
+                 + ("**" if key == best else "") for key, group in by_setting.items()]
         lines.append(f"| {method} | " + " · ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -121,21 +121,23 @@ def test_summarize_refuses_a_run_without_a_trained_evaluation():
         runs.summarize(_rows([]))
 
 
-def test_csv_schemas_are_the_issues_columns_and_write_csv_rejects_others(tmp_path):
-    assert runs.SLOWLINK_FIELDS == ["method", "rate_mbit", "procs_per_node", "lr", "steps", "step_ms",
+def test_csv_schemas_are_the_issues_columns_with_the_scalar_lr_and_write_csv_rejects_others(tmp_path):
+    assert runs.SLOWLINK_FIELDS == ["method", "rate_mbit", "procs_per_node", "lr", "scalar_lr", "steps", "step_ms",
                                     "replicate_bytes_per_step", "wire_bytes_per_step", "time_to_target_s",
                                     "final_val_loss"]
-    assert runs.CONVERGENCE_FIELDS == ["method", "lr", "seed", "steps", "final_val_loss", "replicate_bytes_total"]
-    good = dict(zip(runs.CONVERGENCE_FIELDS, ["dion_1/4", "0.02", 0, 10, "3.1", 100]))
+    assert runs.CONVERGENCE_FIELDS == ["method", "lr", "scalar_lr", "seed", "steps", "final_val_loss",
+                                       "replicate_bytes_total"]
+    good = dict(zip(runs.CONVERGENCE_FIELDS, ["dion_1/4", "0.02", "0.03", 0, 10, "3.1", 100]))
     runs.write_csv(tmp_path / "c.csv", runs.CONVERGENCE_FIELDS, [good])
     assert runs.read_csv(tmp_path / "c.csv") == [{k: str(v) for k, v in good.items()}]
     with pytest.raises(ValueError, match="schema"):
         runs.write_csv(tmp_path / "bad.csv", runs.CONVERGENCE_FIELDS, [{**good, "extra": 1}])
-    unlimited = slowlink.row(runs.methods(64)[0], math.inf, 1, 3e-3, runs.summarize(_rows([(2, 100, 10, 4.0)])), 3.0)
+    unlimited = slowlink.row(runs.methods(64)[0], math.inf, 1, 3e-3, 0.03, runs.summarize(_rows([(2, 100, 10, 4.0)])),
+                             3.0)
     assert list(unlimited) == runs.SLOWLINK_FIELDS and unlimited["time_to_target_s"] == "inf"
-    assert unlimited["wire_bytes_per_step"] == ""
+    assert unlimited["wire_bytes_per_step"] == "" and unlimited["scalar_lr"] == "0.03"
     with pytest.raises(ValueError, match="link_tx_bytes"):      # over the link a run must have logged the counter
-        slowlink.row(runs.methods(64)[0], 100.0, 1, 3e-3, runs.summarize(_rows([(2, 100, 10, 4.0)])), 3.0)
+        slowlink.row(runs.methods(64)[0], 100.0, 1, 3e-3, None, runs.summarize(_rows([(2, 100, 10, 4.0)])), 3.0)
 
 
 def test_wire_bytes_are_the_link_counter_between_the_first_and_last_trained_rows():
@@ -143,7 +145,7 @@ def test_wire_bytes_are_the_link_counter_between_the_first_and_last_trained_rows
     for row, counter in zip(rows, ["", "9000", "9500", "11000"]):     # 9000 by step 1: the start-up
         row["link_tx_bytes"] = counter
     assert runs.summarize(rows).wire_bytes_per_step == (11000 - 9000) / (5 - 1)
-    row = slowlink.row(runs.methods(64)[0], 10.0, 1, 3e-3, runs.summarize(rows), 3.0)
+    row = slowlink.row(runs.methods(64)[0], 10.0, 1, 3e-3, None, runs.summarize(rows), 3.0)
     assert row["wire_bytes_per_step"] == 500
     assert runs.summarize(rows[:2]).wire_bytes_per_step is None          # one trained row: no interval
 
@@ -175,14 +177,71 @@ def test_rate_strings_parse_to_mbit_and_bad_ones_are_refused():
         slowlink.rate_mbit("100")
 
 
-def test_best_table_picks_the_lr_with_the_lowest_mean_over_seeds():
-    rows = [{"method": "a", "lr": lr, "seed": s, "steps": 1, "final_val_loss": loss, "replicate_bytes_total": 1}
-            for lr, s, loss in [("1", 0, "3.0"), ("1", 1, "3.4"), ("2", 0, "3.1"), ("2", 1, "3.2")]]
+def test_best_table_picks_the_setting_with_the_lowest_mean_over_seeds():
+    rows = [{"method": "a", "lr": lr, "scalar_lr": scalar, "seed": s, "steps": 1, "final_val_loss": loss,
+             "replicate_bytes_total": 1}
+            for lr, scalar, s, loss in [("1", "0.1", 0, "3.0"), ("1", "0.1", 1, "3.4"), ("2", "0.1", 0, "3.1"),
+                                        ("2", "0.1", 1, "3.2"), ("2", "0.3", 0, "3.3"), ("2", "0.3", 1, "3.3")]]
     best = convergence.best_table(rows)
-    assert [(b["method"], b["lr"], b["final_val_loss_mean"]) for b in best] == [("a", "2", "3.1500")]
+    assert [(b["method"], b["lr"], b["scalar_lr"], b["final_val_loss_mean"]) for b in best] == [("a", "2", "0.1", "3.1500")]
     for row in rows[:2]:            # rows read back from the CSV hold seeds as strings, new ones as ints
         row["seed"] = str(row["seed"])
     assert convergence.best_table(rows)[0]["lr"] == "2"
+    rows[4]["final_val_loss"] = rows[5]["final_val_loss"] = "3.0"     # the scalar lr decides between equal lrs
+    assert convergence.best_table(rows)[0]["scalar_lr"] == "0.3"
+
+
+def test_methods_pass_their_scalar_lr_and_a_one_lr_method_refuses_one(tmp_path):
+    by_name = {m.name: m for m in runs.methods(64)}
+    argv = by_name["ddp_adamw"].command(1e-3, None, 0, tmp_path, [], 2, 1)
+    assert argv[argv.index("--scalar-lr") + 1] == f"{by_name['ddp_adamw'].scalar_lr:g}"      # the default, explicit
+    argv = by_name["signmuon_lion"].command(1e-3, 0.02, 0, tmp_path, [], 2, 1)
+    assert argv[argv.index("--scalar-lr") + 1] == "0.02"
+    assert "--scalar-lr" not in by_name["signsgd"].command(1e-3, None, 0, tmp_path, [], 2, 1)
+    with pytest.raises(ValueError, match="scalar_lr must be None"):
+        by_name["signsgd"].command(1e-3, 0.02, 0, tmp_path, [], 2, 1)
+    assert runs.local_run_dir(tmp_path, by_name["ddp_adamw"], 1e-3, 0.02, 1, 2).name == "ddp_adamw_lr0.001_slr0.02_seed1_p2"
+
+
+def test_a_finished_run_is_read_back_only_with_the_same_arguments_and_code(tmp_path, monkeypatch):
+    started = []
+    log = tmp_path / "run" / "log.txt"
+    log.parent.mkdir()
+
+    def start():
+        started.append(1)
+    assert runs._reusable_run(["--lr", "1"], log, True, start) and len(started) == 1
+    assert not runs._reusable_run(["--lr", "1"], log, True, start) and len(started) == 1     # read back
+    assert runs._reusable_run(["--lr", "2"], log, True, start) and len(started) == 2         # other arguments
+    assert runs._reusable_run(["--lr", "2"], log, False, start) and len(started) == 3        # reuse off
+    monkeypatch.setattr(runs, "code_version", lambda: "other code")
+    assert runs._reusable_run(["--lr", "2"], log, True, start) and len(started) == 4         # other code
+
+
+def test_a_failed_run_leaves_no_done_marker_so_it_is_run_again(tmp_path):
+    log = tmp_path / "run" / "log.txt"
+    log.parent.mkdir()
+    runs._reusable_run(["--lr", "1"], log, True, lambda: None)
+
+    def fail():
+        raise RuntimeError("run failed")
+    with pytest.raises(RuntimeError):
+        runs._reusable_run(["--lr", "2"], log, True, fail)
+    assert not (log.parent / "done").exists() and not runs.finished(log.parent, ["--lr", "1"])
+
+
+def test_rows_are_retargeted_from_the_curve_of_their_own_run(tmp_path):
+    out = slowlink.run_dir(tmp_path, 1, 100.0, "dion_1/4")
+    out.mkdir(parents=True)
+    metrics = _rows([(2, 100, 10, 4.0), (4, 100, 10, 3.0)])
+    runs.write_csv(out / "metrics.csv", list(metrics[0]), metrics)
+    row = {"method": "dion_1/4", "rate_mbit": "100", "procs_per_node": "1", "steps": "4", "final_val_loss": "3.0000",
+           "time_to_target_s": "0.2"}
+    assert slowlink.retargeted([row], {1: 3.5}, tmp_path)[0]["time_to_target_s"] == "0.4"
+    assert slowlink.retargeted([row], {2: 3.5}, tmp_path)[0]["time_to_target_s"] == "0.2"   # no target for 1 proc
+    other = {**row, "final_val_loss": "2.9000"}         # the folder holds another run: nothing to recompute from
+    assert slowlink.row_curve(other, tmp_path) is None
+    assert slowlink.retargeted([other], {1: 3.5}, tmp_path)[0]["time_to_target_s"] == "0.2"
 
 
 def test_powersgd_matched_rank_sends_dion_quarter_bytes():
@@ -205,3 +264,17 @@ def test_matrix_conv_is_conv2d_and_its_weight_lands_in_the_matrix_group():
     torch.testing.assert_close(conv(x), expected)
     groups = shardopt.param_groups(CNN(), "dion", "adamw")
     assert groups[0]["param_names"] == ["conv1.weight", "conv2.weight", "fc.weight"]
+
+
+def test_rows_measured_at_another_setting_than_the_best_are_superseded():
+    rows = [{"method": "a", "lr": "0.001", "scalar_lr": "0.1"}, {"method": "a", "lr": "0.001", "scalar_lr": "0.003"},
+            {"method": "s", "lr": "0.002", "scalar_lr": ""}, {"method": "b", "lr": "9", "scalar_lr": "9"}]
+    kept, superseded = slowlink.split_superseded(rows, {"a": (1e-3, 0.1), "s": (2e-3, None)})
+    assert kept == [rows[0], rows[2], rows[3]] and superseded == [rows[1]]     # b has no best: kept
+
+
+def test_the_csv_is_ordered_by_procs_then_method_then_rate():
+    rows = [{"method": m, "procs_per_node": p, "rate_mbit": r} for m, p, r in
+            [("b", "2", "10"), ("a", "1", "10"), ("x", "1", "inf"), ("a", "1", "inf"), ("b", "1", "100")]]
+    assert [(r["method"], r["procs_per_node"], r["rate_mbit"]) for r in slowlink.ordered(rows, ["a", "b"])] == \
+        [("a", "1", "inf"), ("a", "1", "10"), ("b", "1", "100"), ("x", "1", "inf"), ("b", "2", "10")]

@@ -16,7 +16,7 @@ def _row(method, rate, target_s, step_ms="100.0", counted="1000", wire=""):
 def test_slowlink_table_divides_by_ddp_adamw_at_the_same_rate_and_shows_wire_over_counted():
     rows = [_row("ddp_adamw", "inf", "20.0"), _row("fast", "inf", "10.0", step_ms="150.0"),
             _row("ddp_adamw", "10", "900.0", wire="1010"), _row("fast", "10", "12.0", wire="1100"),
-            _row("never", "10", "inf", wire="1000")]
+            _row("never", "10", "inf", wire="1000"), _row("slow", "10", "1800.0", wire="1000")]
     lines = results_table.slowlink_table(rows).splitlines()
     assert "no limit" in lines[0] and "10 Mbit/s" in lines[0]
     fast = next(line for line in lines if "| fast |" in line)
@@ -24,6 +24,7 @@ def test_slowlink_table_divides_by_ddp_adamw_at_the_same_rate_and_shows_wire_ove
     assert fast.endswith("| 1.10 |")
     never = next(line for line in lines if "| never |" in line)
     assert "| – | never; 100 ms/step | 1.00 |" in never    # no unlimited row: no no-limit cell
+    assert "1800.0 s (2.0×)" in next(line for line in lines if "| slow |" in line)     # slower: k times the time
 
 
 def test_grid_table_orders_lrs_lists_seeds_and_marks_the_best_of_the_first_seed():
@@ -33,3 +34,12 @@ def test_grid_table_orders_lrs_lists_seeds_and_marks_the_best_of_the_first_seed(
     assert line == "| m | **0.001: 4.5 / 4.4** · 0.01: 4.9 · 0.1: 5.0 |"
     accuracy = [{"method": "c", "lr": lr, "seed": "0", "test_accuracy": a} for lr, a in [("1", "0.8"), ("2", "0.9")]]
     assert results_table.grid_table(accuracy).splitlines()[2] == "| c | 1: 0.8 · **2: 0.9** |"    # accuracy: the highest
+
+
+def test_grid_table_and_slowlink_table_show_the_scalar_lr_with_the_lr():
+    rows = [{"method": "m", "lr": "0.001", "scalar_lr": scalar, "seed": "0", "final_val_loss": loss}
+            for scalar, loss in [("0.03", "4.4"), ("0.003", "4.6")]]
+    table = results_table.grid_table(rows).splitlines()
+    assert "lr (scalar lr)" in table[0] and table[2] == "| m | 0.001 (0.003): 4.6 · **0.001 (0.03): 4.4** |"
+    slow = results_table.slowlink_table([{**_row("ddp_adamw", "inf", "20.0"), "scalar_lr": "0.03"}]).splitlines()
+    assert "| 1 | ddp_adamw | 0.001 (0.03) |" in slow[2]

@@ -46,6 +46,7 @@ DEB_NAME = f"{PACKAGE}_{VERSION}_all.deb"
 DEB_SHA256 = "39e172fe32dd318ebb3e512220c3beea2fa47d7e20bab348fb4e0922d6beefc0"
 FILES = "usr/share/datasets/fashion-mnist"
 FIELDS = ["method", "lr", "seed", "steps", "test_accuracy", "final_train_loss", "replicate_bytes_per_step"]
+RUN_KEY = ("method", "lr", "seed")          # one run of the grid (the scalar lr is fixed: 1e-3)
 METHODS = {"adamw": 1e-3, "muon": 0.02, "dion_1/4": 0.02, "dion_1/16": 0.02, "signmuon": 1e-3}
 
 
@@ -162,7 +163,7 @@ def train(args) -> None:
                "replicate_bytes_per_step": sent // args.steps}
         print(", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
         rows = runs.read_csv(args.csv) if args.csv.exists() else []
-        runs.write_csv(args.csv, FIELDS, runs.merged(rows, [row], runs.RUN_KEY))
+        runs.write_csv(args.csv, FIELDS, runs.merged(rows, [row], RUN_KEY))
     dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ evaluations, start-up and rendezvous are not in any method's time to target.
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
 import os
 import statistics
@@ -27,28 +28,40 @@ TWONODE = ROOT / "launch" / "netns" / "twonode.sh"
 MULTINODE = ROOT / "launch" / "torchrun_multinode.sh"
 LOCAL_RUNS = ROOT / "runs" / "local"
 
-SLOWLINK_FIELDS = ["method", "rate_mbit", "procs_per_node", "lr", "steps", "step_ms", "replicate_bytes_per_step",
+SLOWLINK_FIELDS = ["method", "rate_mbit", "procs_per_node", "lr", "scalar_lr", "steps", "step_ms", "replicate_bytes_per_step",
                    "wire_bytes_per_step", "time_to_target_s", "final_val_loss"]
-CONVERGENCE_FIELDS = ["method", "lr", "seed", "steps", "final_val_loss", "replicate_bytes_total"]
-RUN_KEY = ("method", "lr", "seed")      # one run of a learning-rate grid (convergence.py, fashion_mnist.py)
+CONVERGENCE_FIELDS = ["method", "lr", "scalar_lr", "seed", "steps", "final_val_loss", "replicate_bytes_total"]
+RUN_KEY = ("method", "lr", "scalar_lr", "seed")     # one run of convergence.py's learning-rate grid
+# The scalar lr (embeddings, tied head and norms) of every method with an AdamW scalar group, and of the
+# Lion-vote ones. With BPE-4096 the tied embedding is 40 % of the GPT's parameters and wants a far larger
+# AdamW lr than the training scripts' default 3e-3 (their byte-level demo's): ddp_adamw's best in
+# convergence.csv (scalar_lr column) and signmuon's and dion's in results/scalar_quality.csv.
+ADAMW_SCALAR_LR = 0.1
+LION_SCALAR_LR = 1e-2       # results/scalar_quality.csv (signmuon's best); the training scripts' default
 DION_WIRE_ITEMSIZE = 2      # Dion's default wire_dtype is bfloat16 (docs/design.md §3)
 
 
 @dataclass(frozen=True)
 class Method:
-    """One row label and how to run it. `lr` is the default learning rate of its 2-D weights."""
+    """One row label and how to run it. `lr` is the default learning rate of its 2-D weights,
+    `scalar_lr` that of the embeddings, tied head and norms (None: the method has one lr for every
+    parameter, signsgd)."""
     name: str
     script: Path
     args: tuple[str, ...]
     lr: float
+    scalar_lr: float | None
     note: str = ""
 
-    def command(self, lr: float, seed: int, out_dir: Path, model_args: list[str], nodes: int,
-                procs_per_node: int) -> list[str]:
-        """The entry point's arguments (after `torchrun … script`) for one run."""
+    def command(self, lr: float, scalar_lr: float | None, seed: int, out_dir: Path, model_args: list[str],
+                nodes: int, procs_per_node: int) -> list[str]:
+        """The entry point's arguments (after `torchrun … script`) for one run; scalar_lr None: the default."""
+        if self.scalar_lr is None and scalar_lr is not None:
+            raise ValueError(f"{self.name} has one lr for every parameter; scalar_lr must be None, got {scalar_lr}")
         mesh = ["--replicate", str(nodes), "--shard", str(procs_per_node), "--check-replicas-every", "0"] \
             if self.script == FSDP_TRAIN else ["--ranks-per-node", str(procs_per_node)]
-        return [str(self.script), *self.args, *mesh, "--lr", f"{lr:g}", "--seed", str(seed),
+        scalar = [] if self.scalar_lr is None else ["--scalar-lr", f"{scalar_lr or self.scalar_lr:g}"]
+        return [str(self.script), *self.args, *mesh, "--lr", f"{lr:g}", *scalar, "--seed", str(seed),
                 "--out-dir", str(out_dir), *model_args]
 
 
@@ -67,22 +80,24 @@ def methods(n_embd: int) -> list[Method]:
     """Every method of the benchmark, baseline first. Variants with the Lion scalar group appear only
     where integrations/fsdp/train.py has --scalar-algorithm."""
     matched = powersgd_matched_rank(n_embd)
+    adamw = ADAMW_SCALAR_LR
     found = [
-        Method("ddp_adamw", DDP_TRAIN, ("--method", "ddp_adamw"), 3e-3),
-        Method("ddp_muon", DDP_TRAIN, ("--method", "ddp_muon"), 0.02, "torch.optim.Muon"),
-        Method("powersgd_rank1", DDP_TRAIN, ("--method", "powersgd", "--powersgd-rank", "1"), 3e-3),
+        Method("ddp_adamw", DDP_TRAIN, ("--method", "ddp_adamw"), 3e-3, adamw),
+        Method("ddp_muon", DDP_TRAIN, ("--method", "ddp_muon"), 0.02, adamw, "torch.optim.Muon"),
+        Method("powersgd_rank1", DDP_TRAIN, ("--method", "powersgd", "--powersgd-rank", "1"), 3e-3, adamw),
         Method(f"powersgd_rank{matched}", DDP_TRAIN, ("--method", "powersgd", "--powersgd-rank", str(matched)), 3e-3,
-               "bytes of dion_1/4"),
-        Method("localsgd", DDP_TRAIN, ("--method", "localsgd", "--local-period", "8"), 3e-3),
-        Method("signsgd", DDP_TRAIN, ("--method", "signsgd"), 1e-3),
-        Method("dion_1/4", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.25"), 0.02),
-        Method("dion_1/16", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.0625"), 0.02),
-        Method("signmuon", FSDP_TRAIN, ("--optimizer", "signmuon"), 3e-3, "scalar group adamw"),
+               adamw, "bytes of dion_1/4"),
+        Method("localsgd", DDP_TRAIN, ("--method", "localsgd", "--local-period", "8"), 3e-3, adamw),
+        Method("signsgd", DDP_TRAIN, ("--method", "signsgd"), 1e-3, None),
+        Method("dion_1/4", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.25"), 0.02, adamw),
+        Method("dion_1/16", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.0625"), 0.02, adamw),
+        Method("signmuon", FSDP_TRAIN, ("--optimizer", "signmuon"), 3e-3, adamw, "scalar group adamw"),
     ]
     if accepts(FSDP_TRAIN, "--scalar-algorithm"):
-        found += [Method("signmuon_lion", FSDP_TRAIN, ("--optimizer", "signmuon", "--scalar-algorithm", "lion"), 3e-3),
+        found += [Method("signmuon_lion", FSDP_TRAIN, ("--optimizer", "signmuon", "--scalar-algorithm", "lion"), 3e-3,
+                         LION_SCALAR_LR),
                   Method("dion_1/4_lion", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.25",
-                                                      "--scalar-algorithm", "lion"), 0.02)]
+                                                      "--scalar-algorithm", "lion"), 0.02, LION_SCALAR_LR)]
     return found
 
 
@@ -125,38 +140,66 @@ def run_env() -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def local_run_dir(root: Path, method: "Method", lr: float, seed: int, procs_per_node: int) -> Path:
+def local_run_dir(root: Path, method: "Method", lr: float, scalar_lr: float | None, seed: int,
+                  procs_per_node: int) -> Path:
     """Where one of convergence.py's runs on this machine lives (read back instead of rerun when finished).
     slowlink.py keeps its own runs (its step times must come from a machine doing nothing else)."""
-    return Path(root) / f"{method.name.replace('/', '_')}_lr{lr:g}_seed{seed}_p{procs_per_node}"
+    scalar = "" if method.scalar_lr is None else f"_slr{scalar_lr or method.scalar_lr:g}"
+    return Path(root) / f"{method.name.replace('/', '_')}_lr{lr:g}{scalar}_seed{seed}_p{procs_per_node}"
 
 
-def finished(out_dir: Path, command: list[str]) -> bool:
-    """Whether out_dir holds a run that ended (its command.txt is this command and its done marker exists)."""
-    recorded, done = Path(out_dir) / "command.txt", Path(out_dir) / "done"
-    return done.exists() and recorded.exists() and recorded.read_text() == " ".join(command[1:])
+def code_version() -> str:
+    """SHA-256 of the code a run executes: shardopt/, integrations/, launch/bench/train_ddp.py and
+    counting.py, the launchers (file names and contents, in path order). A run folder records it, so a
+    run made by other code is not read back as if it were this code's."""
+    files = sorted([*(ROOT / "shardopt").rglob("*.py"), *(ROOT / "integrations").rglob("*.py"), DDP_TRAIN,
+                    ROOT / "launch" / "bench" / "counting.py", TWONODE, MULTINODE])
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def finished(out_dir: Path, argv: list[str]) -> bool:
+    """Whether out_dir holds a run that ended (done marker) of these arguments (command.txt) made by
+    this code (code.txt = code_version())."""
+    out_dir = Path(out_dir)
+    recorded, code = out_dir / "command.txt", out_dir / "code.txt"
+    return (out_dir / "done").exists() and recorded.exists() and recorded.read_text() == " ".join(argv) \
+        and code.exists() and code.read_text() == code_version()
+
+
+def _reusable_run(argv: list[str], log: Path, reuse: bool, start) -> bool:
+    """start() unless reuse and log's folder holds a finished run of argv (returns whether it ran); a run
+    that ends is marked with its arguments, code version and a done marker."""
+    out_dir = log.parent
+    if reuse and finished(out_dir, argv):
+        return False
+    (out_dir / "done").unlink(missing_ok=True)
+    start()
+    (out_dir / "command.txt").write_text(" ".join(argv))
+    (out_dir / "code.txt").write_text(code_version())
+    (out_dir / "done").touch()
+    return True
 
 
 def run_local(argv: list[str], nproc: int, log: Path, timeout_s: float, reuse: bool = False) -> bool:
     """torchrun --standalone on this machine (no link limit). With reuse, a finished run of the same
-    command in the log's folder is kept instead (returns False: not run again)."""
+    arguments and code in the log's folder is kept instead (returns False: not run again)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *argv]
-    if reuse and finished(log.parent, command):
-        return False
-    (log.parent / "done").unlink(missing_ok=True)
-    _run([command], log, timeout_s)
-    (log.parent / "command.txt").write_text(" ".join(command[1:]))
-    (log.parent / "done").touch()
-    return True
+    return _reusable_run(["--nproc_per_node", str(nproc), *argv], log, reuse, lambda: _run([command], log, timeout_s))
 
 
-def run_two_nodes(argv: list[str], procs_per_node: int, prefix: str, port: int, log: Path, timeout_s: float) -> None:
-    """One torchrun per emulated node (launch/torchrun_multinode.sh inside `twonode.sh node N`)."""
+def run_two_nodes(argv: list[str], procs_per_node: int, prefix: str, port: int, log: Path, timeout_s: float,
+                  reuse: bool = False) -> bool:
+    """One torchrun per emulated node (launch/torchrun_multinode.sh inside `twonode.sh node N`); the link
+    rate is the caller's (its folder name). With reuse, as run_local."""
     env = {"MASTER_ADDR": f"{prefix}1", "MASTER_PORT": str(port), "NNODES": "2", "NPROC_PER_NODE": str(procs_per_node),
            "PYTHON": sys.executable, "RDZV_ID": f"bench{port}", "RDZV_TIMEOUT": "120"}
     commands = [[str(TWONODE), "node", str(n), "env", *(f"{k}={v}" for k, v in env.items()),
                  f"NODE_RANK={n - 1}", "bash", str(MULTINODE), *argv] for n in (1, 2)]
-    _run(commands, log, timeout_s, {"NETNS_PREFIX": prefix})
+    return _reusable_run(["--nnodes", "2", "--nproc_per_node", str(procs_per_node), *argv], log, reuse,
+                         lambda: _run(commands, log, timeout_s, {"NETNS_PREFIX": prefix}))
 
 
 def _run(commands: list[list[str]], log: Path, timeout_s: float, extra_env: dict | None = None) -> None:

@@ -8,14 +8,16 @@ Needs root (network namespaces), iproute2 and the prepared data (python integrat
 For each procs-per-node P: first `ddp_adamw` runs on this machine without a link limit (2·P ranks,
 torchrun --standalone); its final val loss is the target. With --unlimited all (default) every
 other method runs there too: its step_ms there is its compute, and the difference to its step_ms
-at a rate is what the link adds (the communication/compute split). A run without a limit whose
-folder under --work-dir holds a finished run of the same command (an earlier campaign's) is read
-back, not rerun; `--rates` with no rate runs only these. Then for each rate, launch/netns/twonode.sh
+at a rate is what the link adds (the communication/compute split); `--rates` with no rate runs only
+these. A run whose folder under --work-dir holds a finished run of the same arguments made by the same
+code (runs.code_version(): shardopt/, integrations/, the DDP script) is read back, not rerun (an
+interrupted campaign resumes; --rerun runs everything again). Then for each rate, launch/netns/twonode.sh
 makes two namespaces joined by a veth pair limited to the rate, and each method runs as one torchrun
 per node (P processes each): shardopt's methods on a (replicate 2, shard P) mesh, the DDP ones on
 2·P ranks. Columns (results/slowlink.csv):
 
-    method, rate_mbit (inf: no link limit, this machine), procs_per_node, lr, steps,
+    method, rate_mbit (inf: no link limit, this machine), procs_per_node, lr (2-D weights),
+    scalar_lr (embeddings, tied head and norms; empty for signsgd, one lr for everything), steps,
     step_ms                   median step time (compute + communication, from every step)
     replicate_bytes_per_step  bytes one rank sends per step between nodes, counted (shardopt's comm
                               layer; for DDP-based methods the all-reduces torch's hooks issue)
@@ -32,8 +34,11 @@ the runs print it. Methods with "_lion" use shardopt's 1-bit Lion vote for the e
 instead of AdamW with a full-precision mean. The namespaces are always deleted at the end (also on
 an error or SIGTERM); NETNS_PREFIX picks their names (default bench). The CSV is updated, not
 replaced: a campaign's rows replace those with the same (method, rate_mbit, procs_per_node), other rows
-stay (so 1 and 2 procs per node can run as two campaigns); the PNG plots every row whose run folder
-is still under --work-dir.
+stay (so 1 and 2 procs per node can run as two campaigns), except, with --lr-from, a row measured at
+another (lr, scalar lr) than its method's best there: it is dropped (and named). Every row's time_to_target_s is against
+its procs-per-node's current target: it is recomputed from the run folder's curve, and a campaign whose
+new target run changes the target refuses to start where a kept row has no run folder to recompute
+from. The PNG plots every row whose run folder is still under --work-dir.
 """
 
 from __future__ import annotations
@@ -73,21 +78,24 @@ def two_nodes(prefix: str, rate: str):
         subprocess.run([str(runs.TWONODE), "down"], env=env)
 
 
-def best_lrs(path: Path) -> dict[str, float]:
-    """method → its best lr (lowest mean final val loss over seeds) in a convergence CSV."""
-    return {entry["method"]: float(entry["lr"]) for entry in best_table(runs.read_csv(path))}
+def best_settings(path: Path) -> dict[str, tuple[float, float | None]]:
+    """method → its best (lr, scalar lr) (lowest mean final val loss over seeds) in a convergence CSV."""
+    return {entry["method"]: (float(entry["lr"]), float(entry["scalar_lr"]) if entry["scalar_lr"] else None)
+            for entry in best_table(runs.read_csv(path))}
 
 
 def run_dir(work_dir: Path, procs: int, rate: float, method: str) -> Path:
     return work_dir / f"p{procs}_{'unlimited' if math.isinf(rate) else f'{rate:g}mbit'}_{method.replace('/', '_')}"
 
 
-def row(method: runs.Method, rate: float, procs: int, lr: float, summary: runs.Summary, target: float) -> dict:
+def row(method: runs.Method, rate: float, procs: int, lr: float, scalar_lr: float | None, summary: runs.Summary,
+        target: float) -> dict:
     """One CSV row; wire bytes only for a run over the emulated link (rate finite)."""
     wire = summary.wire_bytes_per_step
     if not math.isinf(rate) and wire is None:
         raise ValueError("a run over the link logged no link_tx_bytes: metrics.csv is from an older train script")
     return {"method": method.name, "rate_mbit": f"{rate:g}", "procs_per_node": procs, "lr": f"{lr:g}",
+            "scalar_lr": "" if method.scalar_lr is None else f"{scalar_lr or method.scalar_lr:g}",
             "steps": summary.steps, "step_ms": f"{summary.step_ms:.1f}",
             "replicate_bytes_per_step": round(summary.replicate_bytes_per_step),
             "wire_bytes_per_step": "" if math.isinf(rate) else round(wire),
@@ -121,6 +129,48 @@ def plot(curves: dict, targets: dict, path: Path) -> None:
     figure.savefig(path, dpi=100, bbox_inches="tight")
 
 
+def row_curve(r: dict, work_dir: Path) -> list | None:
+    """The val-loss curve of a CSV row's run, from its folder under work_dir; None where the folder is
+    gone or holds another run (its steps or final val loss differ from the row's)."""
+    metrics = run_dir(work_dir, int(r["procs_per_node"]), float(r["rate_mbit"]), r["method"]) / "metrics.csv"
+    if not metrics.exists():
+        return None
+    summary = runs.summarize(runs.read_metrics(metrics.parent))
+    same = str(summary.steps) == str(r["steps"]) and f"{summary.final_val_loss:.4f}" == r["final_val_loss"]
+    return summary.curve if same else None
+
+
+def retargeted(rows: list[dict], targets: dict[int, float], work_dir: Path) -> list[dict]:
+    """rows with time_to_target_s against targets[procs], recomputed from each row's run (row_curve;
+    kept as it is where its procs has no target or its run is not under work_dir)."""
+    result = []
+    for r in rows:
+        curve = row_curve(r, work_dir) if int(r["procs_per_node"]) in targets else None
+        if curve is not None:
+            r = {**r, "time_to_target_s": f"{runs.time_to_target(curve, targets[int(r['procs_per_node'])]):.1f}"}
+        result.append(r)
+    return result
+
+
+def ordered(rows: list[dict], names: list[str]) -> list[dict]:
+    """rows by procs per node, then method in the order of `names` (others after, by name), then rate
+    from the fastest (no limit) down: the order the CSV and the README table show them in."""
+    rank = {name: i for i, name in enumerate(names)}
+    return sorted(rows, key=lambda r: (int(r["procs_per_node"]), rank.get(r["method"], len(rank)), r["method"],
+                                       -float(r["rate_mbit"])))
+
+
+def split_superseded(rows: list[dict], settings: dict[str, tuple[float, float | None]]) -> tuple[list[dict], list[dict]]:
+    """(rows kept, rows superseded): a row is superseded where its method has a best setting (lr, scalar
+    lr) in `settings` (--lr-from) and the row was measured at another one."""
+    def stale(r: dict) -> bool:
+        if r["method"] not in settings:
+            return False
+        lr, scalar_lr = settings[r["method"]]
+        return (float(r["lr"]), float(r["scalar_lr"]) if r["scalar_lr"] else None) != (lr, scalar_lr)
+    return [r for r in rows if not stale(r)], [r for r in rows if stale(r)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="*", default=["1gbit", "100mbit", "10mbit"],
@@ -128,12 +178,13 @@ def main() -> None:
     parser.add_argument("--procs-per-node", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
     parser.add_argument("--lr-from", type=Path, default=None,
-                        help="a convergence CSV: each method at its best lr there (default: the method's default)")
+                        help="a convergence CSV: each method at its best (lr, scalar lr) there (default: its defaults)")
     runs.add_model_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--unlimited", choices=("all", "baseline"), default="all",
                         help="which methods also run without a link limit (rate_mbit inf): all (their compute-only "
                              "step time, for the communication/compute split) or only the ddp_adamw target run")
+    parser.add_argument("--rerun", action="store_true", help="run again where a finished run would be read back")
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     parser.add_argument("--work-dir", type=Path, default=runs.ROOT / "runs" / "slowlink")
     parser.add_argument("--csv", type=Path, default=runs.ROOT / "results" / "slowlink.csv")
@@ -143,40 +194,63 @@ def main() -> None:
     rates = {rate: rate_mbit(rate) for rate in args.rates}
     chosen = runs.select(runs.methods(args.n_embd), args.methods)
     baseline = runs.select(runs.methods(args.n_embd), ["ddp_adamw"])[0]
-    lrs = best_lrs(args.lr_from) if args.lr_from else {}
+    names = [m.name for m in runs.methods(args.n_embd)]
+    settings = best_settings(args.lr_from) if args.lr_from else {}
     model = runs.model_args(args)
     prefix = os.environ.get("NETNS_PREFIX", "bench")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))   # so `finally` tears down
     ports = itertools.count(29650)
     kept = runs.read_csv(args.csv) if args.csv.exists() else []
+    kept, superseded = split_superseded(kept, settings)
+    if superseded:
+        print(f"dropped {len(superseded)} rows of {args.csv.name} measured at another (lr, scalar lr) than the best in "
+              f"{args.lr_from}: " + ", ".join(f"{r['method']} at {r['rate_mbit']} Mbit/s, {r['procs_per_node']} proc/node "
+                                               f"({r['lr']}, {r['scalar_lr'] or '-'})" for r in superseded), flush=True)
     rows, targets, failed = [], {}, []
     print(f"slowlink: vocabulary {args.tokenizer}; {args.steps} steps; methods {', '.join(m.name for m in chosen)}", flush=True)
+
     def measure(method: runs.Method, procs: int, rate: str | None) -> runs.Summary | None:
         """One run (rate None: on this machine, no link limit); appends its row, or notes its failure."""
         mbit = rates[rate] if rate else math.inf
         out = run_dir(args.work_dir, procs, mbit, method.name)
-        lr = lrs.get(method.name, method.lr)
-        argv = method.command(lr, args.seed, out, model, 2, procs)
+        lr, scalar_lr = settings.get(method.name, (method.lr, method.scalar_lr))
+        argv = method.command(lr, scalar_lr, args.seed, out, model, 2, procs)
         try:
             if rate:
-                runs.run_two_nodes(argv, procs, prefix, next(ports), out / "log.txt", args.run_timeout)
+                runs.run_two_nodes(argv, procs, prefix, next(ports), out / "log.txt", args.run_timeout, not args.rerun)
             else:
-                runs.run_local(argv, 2 * procs, out / "log.txt", args.run_timeout, reuse=True)
+                runs.run_local(argv, 2 * procs, out / "log.txt", args.run_timeout, not args.rerun)
         except RuntimeError as error:      # one failed run does not end a day-long campaign
             failed.append(f"{method.name} at {rate or 'no limit'}, {procs} proc/node: {str(error)[:200]}")
             print(f"FAILED {failed[-1]}", flush=True)
             return None
         summary = runs.summarize(runs.read_metrics(out))
         targets.setdefault(procs, summary.final_val_loss)    # the first run of each P is ddp_adamw's unlimited one
-        rows.append(row(method, mbit, procs, lr, summary, targets[procs]))
+        rows.append(row(method, mbit, procs, lr, scalar_lr, summary, targets[procs]))
         print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-        runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, runs.merged(kept, rows, SLOWLINK_KEY))   # after each run: a partial file is usable
+        merged = ordered(retargeted(runs.merged(kept, rows, SLOWLINK_KEY), targets, args.work_dir), names)
+        runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, merged)   # after each run: a partial file is usable
         return summary
+
+    def refuse_stale_rows(procs: int) -> None:
+        """Stop before a campaign whose new target would leave a kept row measured against the old one."""
+        old = [float(r["final_val_loss"]) for r in kept if (r["method"], r["rate_mbit"], int(r["procs_per_node"])) ==
+               (baseline.name, "inf", procs)]
+        planned = {(m.name, f"{rates[rate]:g}") for m in chosen for rate in rates} | \
+            {(m.name, "inf") for m in (chosen if args.unlimited == "all" else [baseline])}
+        stale = [f"{r['method']} at {r['rate_mbit']} Mbit/s" for r in kept if int(r["procs_per_node"]) == procs
+                 and (r["method"], r["rate_mbit"]) not in planned and row_curve(r, args.work_dir) is None]
+        if old and f"{old[0]:.4f}" != f"{targets[procs]:.4f}" and stale:
+            raise SystemExit(f"the target at {procs} proc/node changed ({old[0]:.4f} → {targets[procs]:.4f}) and these "
+                             f"rows of {args.csv} have no run folder under {args.work_dir} to recompute their time to "
+                             f"target from: {', '.join(stale)}. Include them in this campaign (--methods, --rates) "
+                             f"or delete them from the CSV.")
 
     for procs in args.procs_per_node:
         if measure(baseline, procs, None) is None:
             raise SystemExit(f"the target run (ddp_adamw without a link limit, {procs} proc/node) failed:\n{failed[-1]}")
         print(f"target ({procs} proc/node): ddp_adamw unlimited final val loss {targets[procs]:.4f}", flush=True)
+        refuse_stale_rows(procs)
         for method in chosen if args.unlimited == "all" else []:
             if method.name != baseline.name:
                 measure(method, procs, None)
