@@ -96,11 +96,6 @@ def plot(curves: dict, best: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=100, bbox_inches="tight")
 
 
-def scalar_lr_text(method: runs.Method, scalar_lr: float | None) -> str:
-    """The scalar_lr column: the lr used for the embeddings, head and norms ("" for one-lr methods)."""
-    return "" if method.scalar_lr is None else f"{scalar_lr or method.scalar_lr:g}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
@@ -151,7 +146,7 @@ def main() -> None:
         return [e for e in best_table(runs.merged(kept, rows, runs.RUN_KEY)) if e["method"] == method.name]
 
     for method in chosen:
-        scalar_lrs = dict.fromkeys(scalar_lr_text(method, s) for s in args.scalar_lrs or [None])
+        scalar_lrs = dict.fromkeys(method.scalar_lr_text(s) for s in args.scalar_lrs or [None])
         for factor in args.lr_factors:
             for scalar_lr in scalar_lrs:
                 for seed in args.seeds:
@@ -178,7 +173,8 @@ def main() -> None:
                 print(f"{entry['method']} lr {entry['lr']} scalar lr {entry['scalar_lr']}: no curve in {curves_csv.name}, "
                       f"not in the PNG (--rerun-for-curves runs seed {seed} again for it)", flush=True)
                 continue
-            print(f"{entry['method']} lr {entry['lr']}: no curve in {curves_csv.name}; running seed {seed} again for it",
+            print(f"{entry['method']} lr {entry['lr']} scalar lr {entry['scalar_lr']}: no curve in {curves_csv.name}; "
+                  f"running seed {seed} again for it",
                   flush=True)
             train(by_name[entry["method"]], entry["lr"], entry["scalar_lr"], seed)
     best_csv = args.csv.with_name(args.csv.stem + "_best.csv")

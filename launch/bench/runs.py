@@ -53,6 +53,11 @@ class Method:
     scalar_lr: float | None
     note: str = ""
 
+    def scalar_lr_text(self, scalar_lr: float | None) -> str:
+        """The scalar lr a run uses (scalar_lr, or the default where None) as the CSVs write it; "" for a
+        method with one lr for every parameter."""
+        return "" if self.scalar_lr is None else f"{scalar_lr or self.scalar_lr:g}"
+
     def command(self, lr: float, scalar_lr: float | None, seed: int, out_dir: Path, model_args: list[str],
                 nodes: int, procs_per_node: int) -> list[str]:
         """The entry point's arguments (after `torchrun … script`) for one run; scalar_lr None: the default."""
@@ -60,7 +65,7 @@ class Method:
             raise ValueError(f"{self.name} has one lr for every parameter; scalar_lr must be None, got {scalar_lr}")
         mesh = ["--replicate", str(nodes), "--shard", str(procs_per_node), "--check-replicas-every", "0"] \
             if self.script == FSDP_TRAIN else ["--ranks-per-node", str(procs_per_node)]
-        scalar = [] if self.scalar_lr is None else ["--scalar-lr", f"{scalar_lr or self.scalar_lr:g}"]
+        scalar = ["--scalar-lr", self.scalar_lr_text(scalar_lr)] if self.scalar_lr is not None else []
         return [str(self.script), *self.args, *mesh, "--lr", f"{lr:g}", *scalar, "--seed", str(seed),
                 "--out-dir", str(out_dir), *model_args]
 
@@ -144,7 +149,7 @@ def local_run_dir(root: Path, method: "Method", lr: float, scalar_lr: float | No
                   procs_per_node: int) -> Path:
     """Where one of convergence.py's runs on this machine lives (read back instead of rerun when finished).
     slowlink.py keeps its own runs (its step times must come from a machine doing nothing else)."""
-    scalar = "" if method.scalar_lr is None else f"_slr{scalar_lr or method.scalar_lr:g}"
+    scalar = f"_slr{method.scalar_lr_text(scalar_lr)}" if method.scalar_lr is not None else ""
     return Path(root) / f"{method.name.replace('/', '_')}_lr{lr:g}{scalar}_seed{seed}_p{procs_per_node}"
 
 

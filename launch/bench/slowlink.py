@@ -95,7 +95,7 @@ def row(method: runs.Method, rate: float, procs: int, lr: float, scalar_lr: floa
     if not math.isinf(rate) and wire is None:
         raise ValueError("a run over the link logged no link_tx_bytes: metrics.csv is from an older train script")
     return {"method": method.name, "rate_mbit": f"{rate:g}", "procs_per_node": procs, "lr": f"{lr:g}",
-            "scalar_lr": "" if method.scalar_lr is None else f"{scalar_lr or method.scalar_lr:g}",
+            "scalar_lr": method.scalar_lr_text(scalar_lr),
             "steps": summary.steps, "step_ms": f"{summary.step_ms:.1f}",
             "replicate_bytes_per_step": round(summary.replicate_bytes_per_step),
             "wire_bytes_per_step": "" if math.isinf(rate) else round(wire),
@@ -163,12 +163,11 @@ def ordered(rows: list[dict], names: list[str]) -> list[dict]:
 def split_superseded(rows: list[dict], settings: dict[str, tuple[float, float | None]]) -> tuple[list[dict], list[dict]]:
     """(rows kept, rows superseded): a row is superseded where its method has a best setting (lr, scalar
     lr) in `settings` (--lr-from) and the row was measured at another one."""
-    def stale(r: dict) -> bool:
-        if r["method"] not in settings:
-            return False
-        lr, scalar_lr = settings[r["method"]]
-        return (float(r["lr"]), float(r["scalar_lr"]) if r["scalar_lr"] else None) != (lr, scalar_lr)
-    return [r for r in rows if not stale(r)], [r for r in rows if stale(r)]
+    kept, superseded = [], []
+    for r in rows:
+        measured_at = (float(r["lr"]), float(r["scalar_lr"]) if r["scalar_lr"] else None)
+        (superseded if r["method"] in settings and measured_at != settings[r["method"]] else kept).append(r)
+    return kept, superseded
 
 
 def main() -> None:
