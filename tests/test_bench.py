@@ -278,3 +278,44 @@ def test_the_csv_is_ordered_by_procs_then_method_then_rate():
             [("b", "2", "10"), ("a", "1", "10"), ("x", "1", "inf"), ("a", "1", "inf"), ("b", "1", "100")]]
     assert [(r["method"], r["procs_per_node"], r["rate_mbit"]) for r in slowlink.ordered(rows, ["a", "b"])] == \
         [("a", "1", "inf"), ("a", "1", "10"), ("b", "1", "100"), ("x", "1", "inf"), ("b", "2", "10")]
+
+
+def _fashion_method_steps(method: str, steps: int):
+    """`method` of fashion_mnist.py on its CNN for `steps` steps of random images (no data set needed):
+    (bytes between the 2 ranks in the last step, whether the replicas are bitwise equal after synchronize())."""
+    import peers
+    from fashion_mnist import CNN, method_peer
+    torch.manual_seed(0)
+    model = CNN()
+    peer = method_peer(model, method, 1e-3, seed=0)
+    generator = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    for _ in range(steps):
+        x, y = torch.randn(4, 1, 28, 28, generator=generator), torch.randint(10, (4,), generator=generator)
+        torch.nn.functional.cross_entropy(peer.net(x), y).backward()
+        peer.step()
+        sent = peer.sent()[0]
+    peer.synchronize()
+    equal = peers.replicas_equal(model)
+    peer.close()
+    return sent, equal
+
+
+def test_every_fashion_mnist_method_keeps_replicas_equal_and_sends_its_bytes(pool):
+    """Each method's replicas agree bitwise after local data differed (local SGD's after its final average),
+    and its counted bytes per step are ordered as its wire format says: full-precision mean > PowerSGD
+    rank 16 > rank 1 and Dion 1/4 > 1/16 > the 1-bit votes; local SGD sends nothing in a step between its
+    model averages (its 23rd: after 20 plain DDP steps it averages at the 21st, then every 8th)."""
+    import fashion_mnist
+    sent = {}
+    for method in fashion_mnist.METHODS:
+        steps = 23 if method == "localsgd" else 3
+        between, equal = pool.run(_fashion_method_steps, method, steps)[0]
+        assert equal, f"{method}: replicas differ"
+        sent[method] = between
+    numel = sum(p.numel() for p in fashion_mnist.CNN().parameters())
+    full = collective_bytes("all_reduce", 4 * numel, 2)
+    assert sent["adamw"] == sent["muon"] and 0 <= sent["adamw"] - full <= 16     # + shardopt's few control bytes
+    assert sent["adamw"] > sent["powersgd_rank16"] > sent["powersgd_rank1"] > 0
+    assert sent["dion_1/4"] > sent["dion_1/16"] > sent["signmuon"] > 0 and sent["signsgd"] > 0
+    assert sent["localsgd"] == 0
+    assert 0.5 < sent["powersgd_rank16"] / sent["dion_1/4"] < 2        # the matched rank: comparable bytes

@@ -13,12 +13,22 @@ Model: conv 3×3 (1→32) → pool → conv 3×3 (32→64) → pool → fc 3136�
 weight is a parameter of shape (out, in·k·k) reshaped to (out, in, k, k) in forward (`MatrixConv2d`),
 so shardopt.param_groups puts it in the matrix group like a linear layer's weight (a 4-D conv weight
 would go to the element-wise group); the classifier and biases go to AdamW. Each method runs under
-torchrun --standalone with 2 ranks, each a replica with its own batches; shardopt's optimizer does
-the replicate-axis exchange (the whole world as replicate_mesh; no DDP):
+torchrun --standalone with 2 ranks, each a replica with its own batches (each rank a node: every
+byte between them is a replicate byte). shardopt's optimizers do the replicate-axis exchange (the
+whole world as replicate_mesh; no DDP):
 
     adamw      AdamW on every parameter, full-precision gradient mean (what DDP + AdamW computes)
-    muon       Muon on the matrices (full-precision mean), AdamW on the rest
-    dion_1/4, dion_1/16, signmuon   shardopt's optimizers, AdamW on the rest
+    muon       Muon on the matrices (full-precision mean), AdamW on the rest (lr 1e-3)
+    dion_1/4, dion_1/16, signmuon   shardopt's optimizers, AdamW on the rest (lr 1e-3)
+
+and what users run today, torch's DDP hooks and signSGD (launch/bench/peers.py), every parameter at
+the one lr as in `adamw`:
+
+    powersgd_rank1, powersgd_rank16   DDP + torch's PowerSGD hook + AdamW; rank 16 sends the bytes of
+               dion_1/4 (fc, 128 × 3136, is most of them: Dion's rank 32 in bf16 = rank 16 in fp32)
+    localsgd   DDP + post-local SGD, the models averaged every 8 steps, + AdamW; the replicas'
+               average after the last step is the model tested
+    signsgd    signSGD with majority vote (1 bit per entry), every parameter
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from torch.nn import functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "integrations")]
 import data  # noqa: E402
+import peers  # noqa: E402
 import runs  # noqa: E402
 
 PACKAGE, VERSION = "dataset-fashion-mnist", "0.0~git20200523.55506a9-1"
@@ -47,7 +58,13 @@ DEB_SHA256 = "39e172fe32dd318ebb3e512220c3beea2fa47d7e20bab348fb4e0922d6beefc0"
 FILES = "usr/share/datasets/fashion-mnist"
 FIELDS = ["method", "lr", "seed", "steps", "test_accuracy", "final_train_loss", "replicate_bytes_per_step"]
 RUN_KEY = ("method", "lr", "seed")          # one run of the grid (the scalar lr is fixed: 1e-3)
-METHODS = {"adamw": 1e-3, "muon": 0.02, "dion_1/4": 0.02, "dion_1/16": 0.02, "signmuon": 1e-3}
+# label: (peers' method, its options); torch's methods and signSGD
+PEERS = {"powersgd_rank1": ("powersgd", ["--powersgd-rank", "1"]),
+         f"powersgd_rank{runs.powersgd_matched_rank(128)}": ("powersgd", ["--powersgd-rank", str(runs.powersgd_matched_rank(128))]),
+         "localsgd": ("localsgd", ["--local-period", "8"]), "signsgd": ("signsgd", [])}
+METHODS = {"adamw": 1e-3, "muon": 0.02, "dion_1/4": 0.02, "dion_1/16": 0.02, "signmuon": 1e-3,
+           **{label: 4e-3 for label in PEERS if label != "signsgd"}, "signsgd": 1e-3}   # label: default lr
+SCALAR_LR = 1e-3        # the AdamW group (classifier, biases) of muon, dion and signmuon
 
 
 def cache_dir() -> Path:
@@ -109,20 +126,26 @@ class CNN(nn.Module):
         return self.classifier(F.relu(self.fc(x.flatten(1))))
 
 
-def optimizer(model: nn.Module, method: str, lr: float, seed: int):
+def method_peer(model: nn.Module, method: str, lr: float, seed: int) -> peers.Peer:
+    """`method` on this world (each rank a replica and a node) as a peers.Peer: forward through .net, then .step()."""
     import torch.distributed as dist
     import shardopt
+    from counting import CountingAllReduce
+    if method in PEERS:
+        name, argv = PEERS[method]
+        options = argparse.ArgumentParser()
+        peers.add_arguments(options)
+        return peers.build(model, name, lr, lr, options.parse_args(argv), local_world=1, seed=seed)
     world = dict(replicate_mesh=dist.group.WORLD, seed=seed)
-    scalar = dict(lr=1e-3, weight_decay=0.0)
-    if method == "adamw":
-        return shardopt.ShardOptimizer([{"params": list(model.parameters()), "algorithm": "adamw", "lr": lr}], {}, **world)
-    algorithm = {"muon": "muon", "signmuon": "signmuon"}.get(method, "dion")
-    groups = shardopt.param_groups(model, algorithm, "adamw", scalar_options=scalar)
-    if algorithm == "dion":
-        return shardopt.Dion(groups, lr=lr, rank_fraction=1 / int(method.split("/")[1]), **world)
-    if algorithm == "signmuon":
-        return shardopt.SignMuon(groups, lr=lr, **world)
-    return shardopt.ShardOptimizer(groups, dict(lr=lr, momentum=0.95), **world)
+    algorithm = {"adamw": "adamw", "muon": "muon", "signmuon": "signmuon"}.get(method, "dion")
+    if algorithm == "adamw":
+        opt = shardopt.ShardOptimizer([{"params": list(model.parameters()), "algorithm": "adamw", "lr": lr}], {}, **world)
+    else:
+        groups = shardopt.param_groups(model, algorithm, "adamw", scalar_options=dict(lr=SCALAR_LR, weight_decay=0.0))
+        opt = shardopt.Dion(groups, lr=lr, rank_fraction=1 / int(method.split("/")[1]), **world) if algorithm == "dion" \
+            else shardopt.SignMuon(groups, lr=lr, **world) if algorithm == "signmuon" \
+            else shardopt.ShardOptimizer(groups, dict(lr=lr, momentum=0.95), **world)
+    return peers.Peer(model, model, [opt], CountingAllReduce(1), shardopt_optimizer=opt)
 
 
 def train(args) -> None:
@@ -135,25 +158,26 @@ def train(args) -> None:
     x_train, y_train = load(args.cache, "train")
     torch.manual_seed(args.seed)
     model = CNN()
-    opt = optimizer(model, args.method, args.lr, args.seed)
+    peer = method_peer(model, args.method, args.lr, args.seed)
     sent, losses = 0, []
     for step in range(1, args.steps + 1):
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
         index = torch.randint(len(x_train), (args.batch_size,), generator=generator)
         warm = min(1.0, step / max(1, args.warmup))
         decay = 0.1 + 0.45 * (1 + math.cos(math.pi * step / args.steps))
-        for group in opt.param_groups:
+        for group in peer.param_groups():
             group.setdefault("base_lr", group["lr"])
             group["lr"] = group["base_lr"] * min(warm, decay)
-        loss = F.cross_entropy(model(x_train[index]), y_train[index])
+        loss = F.cross_entropy(peer.net(x_train[index]), y_train[index])
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sent += opt.comm_stats()["replicate"]["bytes_sent"]
-        opt.reset_comm_stats()
+        peer.step()
+        sent += peer.sent()[0]
         losses.append(loss.item())
-    if not opt.replicas_consistent():
+    peer.synchronize()                  # local SGD: the replicas' average is the model tested
+    sent += peer.sent()[0]
+    if not peers.replicas_equal(model):
         raise SystemExit(f"{args.method}: the replicas' weights differ after training")
+    peer.close()
     if rank == 0:
         x_test, y_test = load(args.cache, "t10k")
         with torch.no_grad():

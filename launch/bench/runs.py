@@ -154,11 +154,11 @@ def local_run_dir(root: Path, method: "Method", lr: float, scalar_lr: float | No
 
 
 def code_version() -> str:
-    """SHA-256 of the code a run executes: shardopt/, integrations/, launch/bench/train_ddp.py and
-    counting.py, the launchers (file names and contents, in path order). A run folder records it, so a
+    """SHA-256 of the code a run executes: shardopt/, integrations/, launch/bench/train_ddp.py, peers.py
+    and counting.py, the launchers (file names and contents, in path order). A run folder records it, so a
     run made by other code is not read back as if it were this code's."""
     files = sorted([*(ROOT / "shardopt").rglob("*.py"), *(ROOT / "integrations").rglob("*.py"), DDP_TRAIN,
-                    ROOT / "launch" / "bench" / "counting.py", TWONODE, MULTINODE])
+                    ROOT / "launch" / "bench" / "peers.py", ROOT / "launch" / "bench" / "counting.py", TWONODE, MULTINODE])
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")

@@ -5,19 +5,8 @@ torch DistributedDataParallel and torch's own communication hooks and optimizers
 
 Same model (integrations/model.py), data and batches (integrations/data.py), lr schedule, evaluation
 and metrics.csv columns as integrations/fsdp/train.py, so that launch/bench/ reads both alike.
-The parameters are split as `shardopt.param_groups` splits them: the 2-D weights get `--lr`, the
-embeddings (tied head) and norms get AdamW at `--scalar-lr` without decay.
-
-    ddp_adamw  DDP (bucketed all-reduce overlapped with backward) + torch.optim.AdamW
-    ddp_muon   DDP + torch.optim.Muon on the 2-D weights (fp32 Newton–Schulz), AdamW on the rest
-    powersgd   DDP + torch's PowerSGD hook (rank --powersgd-rank, error feedback, warm start) + AdamW
-    localsgd   DDP + torch's post-local-SGD hook (no gradient exchange between nodes after
-               --local-start steps) + PeriodicModelAverager every --local-period steps + AdamW
-    signsgd    signSGD with majority vote (Bernstein et al. 2018, Signum form): each rank's sign of
-               its own momentum m ← β·m + (1−β)·g, majority vote over all ranks (1 bit per entry),
-               x ← (1 − lr·wd)·x − lr·V on every parameter; no DDP gradient mean. It is shardopt's
-               "lion" group with betas (β, β) (Lion's direction sign(β·m + (1−β)·g) is then the sign
-               of the new momentum) on every parameter, the world as replicate axis: no polar step
+The methods and their split of the parameters: launch/bench/peers.py (`--lr` for the 2-D weights,
+`--scalar-lr` for the embeddings, tied head and norms).
 
 Bytes: DDP-based methods count the all-reduces torch's hooks issue (launch/bench/counting.py);
 signsgd's vote is counted by shardopt's comm layer. `replicate_bytes_per_step` is what one rank sends
@@ -27,7 +16,6 @@ LOCAL_WORLD_SIZE), so one machine can stand for several nodes (--standalone with
 
 import argparse
 import csv
-import gc
 import math
 import os
 import sys
@@ -36,33 +24,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook, post_localSGD_hook
-from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-from torch.nn.parallel import DistributedDataParallel
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "integrations"), str(ROOT / "launch" / "bench")]
 import data  # noqa: E402
-import shardopt  # noqa: E402
-from counting import CountingAllReduce  # noqa: E402
+import peers  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from netdev import link_tx_bytes  # noqa: E402
 
-METHODS = ("ddp_adamw", "ddp_muon", "powersgd", "localsgd", "signsgd")
 FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "step_ms", "replicate_bytes_per_step",
           "within_node_bytes_per_step", "link_tx_bytes", "elapsed_s"]
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--method", choices=METHODS, required=True)
+parser.add_argument("--method", choices=peers.METHODS, required=True)
 parser.add_argument("--lr", type=float, required=True, help="lr of the 2-D weights (all params for signsgd)")
 parser.add_argument("--scalar-lr", type=float, default=3e-3, help="AdamW lr of embeddings and norms")
-parser.add_argument("--weight-decay", type=float, default=0.01, help="weight decay of the 2-D weights")
-parser.add_argument("--momentum", type=float, default=0.95, help="ddp_muon: momentum; signsgd: β of the local momentum")
-parser.add_argument("--powersgd-rank", type=int, default=1, help="powersgd: matrix_approximation_rank (torch default 1)")
-parser.add_argument("--powersgd-start", type=int, default=2, help="powersgd: plain all-reduce before this step "
-                    "(torch's minimum with error feedback is 2)")
-parser.add_argument("--local-period", type=int, default=8, help="localsgd: average the models every N steps")
-parser.add_argument("--local-start", type=int, default=20, help="localsgd: steps of plain DDP before local SGD")
+peers.add_arguments(parser)
 parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks that share a node "
                     "(default: LOCAL_WORLD_SIZE); sets which groups count as between nodes and localsgd's groups")
 parser.add_argument("--n-layer", type=int, default=4)
@@ -101,39 +78,7 @@ def batch(split: str, step: int):
 torch.manual_seed(args.seed)
 model = GPT(GPTConfig(vocab_size=data.vocab_size(args.data_dir), block_size=args.block_size, n_layer=args.n_layer,
                       n_head=args.n_head, n_embd=args.n_embd)).to(device)
-matrices, scalars = shardopt.param_groups(model, "muon", "adamw")   # the split shardopt uses
-counter = CountingAllReduce(local_world).install()
-adamw = dict(betas=(0.9, 0.95), eps=1e-8)
-if args.method == "signsgd":
-    net = model                                                     # no gradient mean: the vote is the exchange
-    signum = dict(algorithm="lion", betas=(args.momentum, args.momentum), lr=args.lr)
-    optimizers = [shardopt.ShardOptimizer([matrices | signum | {"weight_decay": args.weight_decay},
-                                           scalars | signum | {"weight_decay": 0.0}], {},
-                                          replicate_mesh=dist.group.WORLD, seed=args.seed)]
-else:
-    # PowerSGD gets one bucket: with several, torch's hook issues each bucket's P/Q all-reduces from
-    # callbacks of the bucket's earlier ones, so the buckets' collectives interleave differently on
-    # different ranks, which gloo aborts ("collective mismatch") at the first compressed step.
-    net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                  bucket_cap_mb=1024 if args.method == "powersgd" else None)
-    if args.method == "powersgd":
-        net.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=args.powersgd_rank,
-                                                           start_powerSGD_iter=args.powersgd_start,
-                                                           random_seed=args.seed), powerSGD_hook.powerSGD_hook)
-    elif args.method == "localsgd":
-        node_group, _ = dist.new_subgroups(group_size=local_world)
-        net.register_comm_hook(post_localSGD_hook.PostLocalSGDState(None, node_group, args.local_start),
-                               post_localSGD_hook.post_localSGD_hook)
-        averager = PeriodicModelAverager(period=args.local_period, warmup_steps=args.local_start)
-    else:
-        net.register_comm_hook(None, default_hooks.allreduce_hook)  # DDP's own all-reduce, through the counted path
-    scalar_opt = torch.optim.AdamW(scalars["params"], lr=args.scalar_lr, weight_decay=0.0, **adamw)
-    if args.method == "ddp_muon":
-        matrix_opt = torch.optim.Muon(matrices["params"], lr=args.lr, weight_decay=args.weight_decay,
-                                      momentum=args.momentum, nesterov=False)
-    else:
-        matrix_opt = torch.optim.AdamW(matrices["params"], lr=args.lr, weight_decay=args.weight_decay, **adamw)
-    optimizers = [matrix_opt, scalar_opt]
+peer = peers.build(model, args.method, args.lr, args.scalar_lr, args, local_world, args.seed)
 
 
 def lr_multiplier(step: int) -> float:
@@ -174,34 +119,26 @@ def write_row(row: dict) -> None:
 
 
 write_row({"step": 0, "tokens": 0, "val_loss": f"{evaluate():.6f}", "elapsed_s": 0})
-counter.reset()
-voted = optimizers[0] if args.method == "signsgd" else None     # its bytes: shardopt's comm layer
+peer.sent()                                                     # not the evaluation's
 loop_started = time.perf_counter()
 window = dict(loss=0.0, steps=0, seconds=0.0, between=0, within=0)
 for step in range(1, args.steps + 1):
     tick = time.perf_counter()
     lr = lr_multiplier(step)
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            group.setdefault("base_lr", group["lr"])
-            group["lr"] = group["base_lr"] * lr
-    _, loss = net(*batch("train", step))
+    for group in peer.param_groups():
+        group.setdefault("base_lr", group["lr"])
+        group["lr"] = group["base_lr"] * lr
+    _, loss = peer.net(*batch("train", step))
     loss.backward()
-    for optimizer in optimizers:
-        optimizer.step()
-    if args.method == "localsgd":
-        averager.average_parameters(model.parameters())
-    model.zero_grad(set_to_none=True)
+    peer.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
     window["seconds"] += time.perf_counter() - tick
     window["steps"] += 1
     window["loss"] += loss.item()
-    window["between"] += counter.between_nodes + (voted.comm_stats()["replicate"]["bytes_sent"] if voted else 0)
-    window["within"] += counter.within_node
-    counter.reset()
-    if voted:
-        voted.reset_comm_stats()
+    between, within = peer.sent()
+    window["between"] += between
+    window["within"] += within
     evaluate_now = args.eval_every and (step % args.eval_every == 0 or step == args.steps)
     if step % args.log_every == 0 or evaluate_now or step == args.steps:
         n = window["steps"]
@@ -216,10 +153,6 @@ for step in range(1, args.steps + 1):
                   + (f", val loss {row['val_loss']}" if row["val_loss"] else "")
                   + f", step {row['step_ms']} ms, replicate {row['replicate_bytes_per_step']:,} B/step", flush=True)
         window = dict(loss=0.0, steps=0, seconds=0.0, between=0, within=0)
-# Tear down what holds process-group work (DDP's reducer and comm-hook state, the optimizers) before the
-# groups: left to interpreter finalization, gloo's worker threads sometimes aborted the process after the
-# last step ("terminate called without an active exception").
-del net, optimizers
-gc.collect()
+peer.close()
 dist.barrier()
 dist.destroy_process_group()
