@@ -58,12 +58,13 @@ DEB_SHA256 = "39e172fe32dd318ebb3e512220c3beea2fa47d7e20bab348fb4e0922d6beefc0"
 FILES = "usr/share/datasets/fashion-mnist"
 FIELDS = ["method", "lr", "seed", "steps", "test_accuracy", "final_train_loss", "replicate_bytes_per_step"]
 RUN_KEY = ("method", "lr", "seed")          # one run of the grid (the scalar lr is fixed: 1e-3)
+MATCHED_RANK = runs.powersgd_matched_rank(128)     # fc (128 × 3136) carries most of Dion 1/4's bytes
 # label: (peers' method, its options); torch's methods and signSGD
 PEERS = {"powersgd_rank1": ("powersgd", ["--powersgd-rank", "1"]),
-         f"powersgd_rank{runs.powersgd_matched_rank(128)}": ("powersgd", ["--powersgd-rank", str(runs.powersgd_matched_rank(128))]),
+         f"powersgd_rank{MATCHED_RANK}": ("powersgd", ["--powersgd-rank", str(MATCHED_RANK)]),
          "localsgd": ("localsgd", ["--local-period", "8"]), "signsgd": ("signsgd", [])}
-METHODS = {"adamw": 1e-3, "muon": 0.02, "dion_1/4": 0.02, "dion_1/16": 0.02, "signmuon": 1e-3,
-           **{label: 4e-3 for label in PEERS if label != "signsgd"}, "signsgd": 1e-3}   # label: default lr
+METHODS = {"adamw": 1e-3, "muon": 0.02, "dion_1/4": 0.02, "dion_1/16": 0.02, "signmuon": 1e-3,   # label: default lr
+           "powersgd_rank1": 4e-3, f"powersgd_rank{MATCHED_RANK}": 4e-3, "localsgd": 4e-3, "signsgd": 1e-3}
 SCALAR_LR = 1e-3        # the AdamW group (classifier, biases) of muon, dion and signmuon
 
 
@@ -126,26 +127,31 @@ class CNN(nn.Module):
         return self.classifier(F.relu(self.fc(x.flatten(1))))
 
 
-def method_peer(model: nn.Module, method: str, lr: float, seed: int) -> peers.Peer:
-    """`method` on this world (each rank a replica and a node) as a peers.Peer: forward through .net, then .step()."""
+def optimizer(model: nn.Module, method: str, lr: float, seed: int):
+    """The shardopt optimizer of `method` (not one of PEERS) with this world as its replicate axis."""
     import torch.distributed as dist
     import shardopt
-    from counting import CountingAllReduce
+    world = dict(replicate_mesh=dist.group.WORLD, seed=seed)
+    if method == "adamw":
+        return shardopt.ShardOptimizer([{"params": list(model.parameters()), "algorithm": "adamw", "lr": lr}], {}, **world)
+    algorithm = {"muon": "muon", "signmuon": "signmuon"}.get(method, "dion")
+    groups = shardopt.param_groups(model, algorithm, "adamw", scalar_options=dict(lr=SCALAR_LR, weight_decay=0.0))
+    if algorithm == "dion":
+        return shardopt.Dion(groups, lr=lr, rank_fraction=1 / int(method.split("/")[1]), **world)
+    if algorithm == "signmuon":
+        return shardopt.SignMuon(groups, lr=lr, **world)
+    return shardopt.ShardOptimizer(groups, dict(lr=lr, momentum=0.95), **world)
+
+
+def method_peer(model: nn.Module, method: str, lr: float, seed: int) -> peers.Peer:
+    """`method` on this world (each rank a replica and a node) as a peers.Peer: forward through .net, then .step()."""
     if method in PEERS:
         name, argv = PEERS[method]
         options = argparse.ArgumentParser()
         peers.add_arguments(options)
         return peers.build(model, name, lr, lr, options.parse_args(argv), local_world=1, seed=seed)
-    world = dict(replicate_mesh=dist.group.WORLD, seed=seed)
-    algorithm = {"adamw": "adamw", "muon": "muon", "signmuon": "signmuon"}.get(method, "dion")
-    if algorithm == "adamw":
-        opt = shardopt.ShardOptimizer([{"params": list(model.parameters()), "algorithm": "adamw", "lr": lr}], {}, **world)
-    else:
-        groups = shardopt.param_groups(model, algorithm, "adamw", scalar_options=dict(lr=SCALAR_LR, weight_decay=0.0))
-        opt = shardopt.Dion(groups, lr=lr, rank_fraction=1 / int(method.split("/")[1]), **world) if algorithm == "dion" \
-            else shardopt.SignMuon(groups, lr=lr, **world) if algorithm == "signmuon" \
-            else shardopt.ShardOptimizer(groups, dict(lr=lr, momentum=0.95), **world)
-    return peers.Peer(model, model, [opt], CountingAllReduce(1), shardopt_optimizer=opt)
+    opt = optimizer(model, method, lr, seed)
+    return peers.Peer(model, model, [opt], shardopt_optimizer=opt)
 
 
 def train(args) -> None:

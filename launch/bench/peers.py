@@ -57,7 +57,7 @@ class Peer:
     model: nn.Module
     net: nn.Module
     optimizers: list
-    counter: CountingAllReduce
+    counter: CountingAllReduce | None = None     # torch's hooks' and averager's bytes
     averager: PeriodicModelAverager | None = None
     shardopt_optimizer: shardopt.ShardOptimizer | None = None   # its bytes: shardopt's comm layer (signsgd's vote)
 
@@ -77,8 +77,10 @@ class Peer:
 
     def sent(self) -> tuple[int, int]:
         """(bytes between nodes, bytes within a node) this rank sent since the last call; resets both counts."""
-        between, within = self.counter.between_nodes, self.counter.within_node
-        self.counter.reset()
+        between, within = 0, 0
+        if self.counter is not None:
+            between, within = self.counter.between_nodes, self.counter.within_node
+            self.counter.reset()
         if self.shardopt_optimizer is not None:
             between += self.shardopt_optimizer.comm_stats()["replicate"]["bytes_sent"]
             self.shardopt_optimizer.reset_comm_stats()
