@@ -12,9 +12,10 @@ at a rate is what the link adds (the communication/compute split); `--rates` wit
 these. A run whose folder under --work-dir holds a finished run of the same arguments made by the same
 code (runs.code_version(): shardopt/, integrations/, the DDP script) is read back, not rerun (an
 interrupted campaign resumes; --rerun runs everything again). Then for each rate, launch/netns/twonode.sh
-makes two namespaces joined by a veth pair limited to the rate, and each method runs as one torchrun
-per node (P processes each): shardopt's methods on a (replicate 2, shard P) mesh, the DDP ones on
-2·P ranks. Columns (results/slowlink.csv):
+makes two namespaces joined by a veth pair limited to the rate (tc tbf with a bucket of 4 ms of the
+rate, at least 16 KiB: a larger one refills while a method computes and lets a small exchange leave
+at memory speed), and each method runs as one torchrun per node (P processes each): shardopt's
+methods on a (replicate 2, shard P) mesh, the DDP ones on 2·P ranks. Columns (results/slowlink.csv):
 
     method, rate_mbit (inf: no link limit, this machine), procs_per_node, lr (2-D weights),
     scalar_lr (embeddings, tied head and norms; empty for signsgd, one lr for everything), steps,
