@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "integrations"))
 import shardopt.deepspeed  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from shardopt.optimizer import bit_hash  # noqa: E402
+from shardopt.comm import Axis  # noqa: E402
+from shardopt.guard import replicas_equal  # noqa: E402
 
 OPTIMIZERS = {"Dion": {"lr": 0.02, "rank_fraction": 0.25}, "SignMuon": {"lr": 0.003, "momentum": 0.9}}
 MESH = {"replicate": 2, "shard": 2}
@@ -68,9 +69,7 @@ def run(args, optimizer: str, stage: int) -> dict:
     stats = ours.comm_stats()
     mean = torch.tensor([losses[0], losses[-1]])
     dist.all_reduce(mean)
-    hashes = torch.stack([bit_hash(p.detach()) for p in engine.module.parameters()])
-    gathered = [torch.empty_like(hashes) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, hashes)
+    identical = replicas_equal([p.detach() for p in engine.module.parameters()], Axis("replicate", dist.group.WORLD))
     zero = ours.zero
     owned = sum(c for i, c in enumerate(zero.costs) if zero.owns(i)) / sum(zero.costs) if zero else 1.0
     row = {"optimizer": optimizer, "stage": stage, "mesh": f"{MESH['replicate']}x{MESH['shard']}" if stage else "4x1",
@@ -81,7 +80,7 @@ def run(args, optimizer: str, stage: int) -> dict:
            "weight_bytes": tensor_bytes(engine.module.parameters()),
            "replicate_bytes_per_step": stats["replicate"]["bytes_sent"] / args.steps,
            "shard_bytes_per_step": stats["shard"]["bytes_sent"] / args.steps,
-           "identical": all(torch.equal(g, gathered[0]) for g in gathered),
+           "identical": identical,
            "loss_first": mean[0].item() / dist.get_world_size(), "loss_last": mean[1].item() / dist.get_world_size()}
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)

@@ -32,6 +32,15 @@ def bit_hash(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def replicas_equal(tensors: list[torch.Tensor], axis: Axis) -> bool:
+    """True when every tensor (local, any dtype) is bitwise equal on all ranks of `axis`: one
+    all-gather of the (len(tensors),) int64 bit_hash vector; reading the answer is a device sync."""
+    if axis.size == 1 or not tensors:
+        return True
+    gathered = axis.all_gather(torch.stack([bit_hash(tensor) for tensor in tensors]))
+    return bool((gathered == gathered[0]).all())
+
+
 def check_not_double_averaged(grads: list[torch.Tensor], replicate: Axis, other_axes: list[Axis],
                               device: torch.device, step: int) -> bool:
     """Raise DoubleAveragingError, on every rank alike, when every replica's local `grads` are

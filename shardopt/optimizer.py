@@ -20,7 +20,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, capped_buckets
 from .checks import check_gradients, check_group_keys, check_options, check_state_dict
 from .clipping import clip_grad_norm_
 from .comm import Axis
-from .guard import bit_hash, check_not_double_averaged
+from .guard import check_not_double_averaged, replicas_equal
 from .hyperparams import DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names, state_dtype, validate_group
 from .matrices import matrix_seed, param_matrices
 from .placement import derive_meshes, local, tensor_split
@@ -384,14 +384,9 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def replicas_consistent(self) -> bool:
-        """True when every parameter is bitwise equal on all replicas (one all-gather of one hash
-        per parameter; reading the answer is a device sync)."""
-        params = [local(p) for group in self.param_groups for p in group["params"]]
-        if self.replicate.size == 1 or not params:
-            return True
-        hashes = torch.stack([bit_hash(p) for p in params])
-        gathered = self.replicate.all_gather(hashes)
-        return bool((gathered == gathered[0]).all())
+        """True when every parameter is bitwise equal on all replicas (guard.replicas_equal: one
+        all-gather of one hash per parameter; reading the answer is a device sync)."""
+        return replicas_equal([local(p) for group in self.param_groups for p in group["params"]], self.replicate)
 
 
 def _gradients(params, group: dict, matrices=None) -> list[torch.Tensor]:

@@ -21,8 +21,8 @@ deepspeed = pytest.importorskip("deepspeed")  # imported before the pool forks: 
 
 import shardopt.deepspeed as sds  # noqa: E402
 from shardopt import traffic  # noqa: E402
-from shardopt.comm import collective_bytes  # noqa: E402
-from shardopt.optimizer import bit_hash  # noqa: E402
+from shardopt.comm import Axis, collective_bytes  # noqa: E402
+from shardopt.guard import replicas_equal  # noqa: E402
 from workers import WorkerPool  # noqa: E402
 
 TIMEOUT_S = 300
@@ -92,13 +92,11 @@ def _run(optimizer, stage, mesh, precision="fp32", vote=None, scalar_algorithm="
     ours = sds.shard_optimizer(engine)
     mean_losses = torch.tensor([_steps(engine, 1) for _ in range(STEPS)])
     dist.all_reduce(mean_losses)
-    hashes = torch.stack([bit_hash(p.detach()) for p in engine.module.parameters()])
-    gathered = [torch.empty_like(hashes) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, hashes)
+    identical = replicas_equal([p.detach() for p in engine.module.parameters()], Axis("replicate", dist.group.WORLD))
     stats = ours.comm_stats()
     return {"weights": [p.detach().float().clone() for p in engine.module.parameters()],
             "losses": (mean_losses / dist.get_world_size()).tolist(),
-            "identical": all(torch.equal(g, gathered[0]) for g in gathered),
+            "identical": identical,
             "state_bytes": sum(v.numel() * v.element_size() for s in ours.state.values() for v in s.values()
                                if torch.is_tensor(v)),
             "replicate_per_step": stats["replicate"]["bytes_sent"] / STEPS,

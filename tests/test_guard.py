@@ -259,3 +259,25 @@ def test_deepspeed_config_passes_the_option_through():
     config = pytest.importorskip("shardopt.deepspeed.config")
     plan = config.plan({"optimizer": {"type": "SignMuon", "params": {"lr": 0.01, "double_averaging_check_every": 0}}})
     assert plan.options["double_averaging_check_every"] == 0
+
+
+def _replicas_equal_after_flipping(rank_to_flip):
+    """replicas_equal over the world after the last bit of one weight is flipped on rank
+    `rank_to_flip` (None: nothing flipped), with the bytes it spent; and the optimizer's
+    replicas_consistent, which is the same check on its replicate axis."""
+    from shardopt.comm import Axis
+    from shardopt.guard import replicas_equal
+    model = Net()
+    if dist.get_rank() == rank_to_flip:
+        with torch.no_grad():
+            model.down.weight.view(torch.int64)[0, 0] ^= 1
+    axis = Axis("replicate", dist.group.WORLD)
+    equal = replicas_equal([p.detach() for p in model.parameters()], axis)
+    return equal, axis.stats()["bytes_sent"], _optimizer("dion", model, dist.group.WORLD).replicas_consistent()
+
+
+@pytest.mark.parametrize("rank_to_flip", [None, 0, WORLD - 1])
+def test_replicas_equal_sees_one_flipped_bit_on_one_rank(pool, rank_to_flip):
+    """One all-gather of one int64 hash per parameter (3 here); every rank gets the same answer."""
+    results = pool.run(_replicas_equal_after_flipping, rank_to_flip)
+    assert results == [(rank_to_flip is None, collective_bytes("all_gather", 3 * 8, WORLD), rank_to_flip is None)] * WORLD

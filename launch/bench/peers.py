@@ -33,6 +33,8 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.nn.parallel import DistributedDataParallel
 
 import shardopt
+from shardopt import guard
+from shardopt.comm import Axis
 from counting import CountingAllReduce
 
 METHODS = ("ddp_adamw", "ddp_muon", "powersgd", "localsgd", "signsgd")
@@ -141,8 +143,6 @@ def build(model: nn.Module, method: str, lr: float, scalar_lr: float, options: a
 
 
 def replicas_equal(model: nn.Module) -> bool:
-    """Whether every rank holds the same weights as rank 0 (bitwise, NaN too; one all-gather of their bytes)."""
-    flat = torch.cat([p.detach().contiguous().reshape(-1).view(torch.uint8) for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    return all(torch.equal(gathered[0], other) for other in gathered[1:])
+    """Whether every rank holds the same weights (shardopt's guard.replicas_equal over the world: one
+    all-gather of a hash per parameter, through the comm layer, counted on an axis of its own)."""
+    return guard.replicas_equal([p.detach() for p in model.parameters()], Axis("replicate", dist.group.WORLD))

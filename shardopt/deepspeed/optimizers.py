@@ -7,7 +7,8 @@ import torch
 
 from ..clipping import agreed_grad_norm, clip_grad_norm_
 from ..comm import Axis
-from ..optimizer import Dion, ShardOptimizer, SignMuon, bit_hash
+from ..guard import replicas_equal
+from ..optimizer import Dion, ShardOptimizer, SignMuon
 from ..placement import local
 from .zero import ZeroPartition
 
@@ -118,13 +119,7 @@ class _EngineSide:
     @torch.no_grad()
     def replicas_consistent(self) -> bool:
         """True when every parameter is bitwise equal on every data-parallel rank (both axes)."""
-        if not super().replicas_consistent():
-            return False
-        if self.node.size == 1:
-            return True
-        hashes = torch.stack([bit_hash(local(p)) for p in self._slots()])
-        gathered = self.node.all_gather(hashes)
-        return bool((gathered == gathered[0]).all())
+        return super().replicas_consistent() and replicas_equal([local(p) for p in self._slots()], self.node)
 
 
 class DeepSpeedDion(_EngineSide, Dion):
