@@ -10,8 +10,9 @@ torchrun --standalone); its final val loss is the target. With --unlimited all (
 other method runs there too: its step_ms there is its compute, and the difference to its step_ms
 at a rate is what the link adds (the communication/compute split); `--rates` with no rate runs only
 these. A run whose folder under --work-dir holds a finished run of the same arguments made by the same
-code (runs.code_version(): shardopt/, integrations/, the DDP script) is read back, not rerun (an
-interrupted campaign resumes; --rerun runs everything again). Then for each rate, launch/netns/twonode.sh
+code (runs.code_version(): shardopt/, integrations/, the DDP script and its modules, the launchers
+with twonode.sh) is read back, not rerun (an interrupted campaign resumes; --rerun runs everything
+again). Then for each rate, launch/netns/twonode.sh
 makes two namespaces joined by a veth pair limited to the rate (tc tbf with a bucket of 4 ms of the
 rate, at least 16 KiB: a larger one refills while a method computes and lets a small exchange leave
 at memory speed), and each method runs as one torchrun per node (P processes each): shardopt's
