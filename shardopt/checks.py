@@ -11,7 +11,7 @@ import numbers
 
 import torch
 
-from .dion import q_shape
+from .buckets import DEFAULT_BUCKET_BYTES
 from .hyperparams import validate_group
 from .placement import is_dtensor, local
 
@@ -30,7 +30,7 @@ TORCH_OPTIM_FLAGS = {
 
 
 def check_options(*, seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize, double_averaging_check_every,
-                  **torch_flags) -> None:
+                  bucket_bytes, **torch_flags) -> None:
     """The ShardOptimizer keyword options (not the param-group hyperparameters)."""
     for name, value in torch_flags.items():
         if value is not None:
@@ -44,6 +44,9 @@ def check_options(*, seed, agreement_timeout_s, nonfinite, max_grad_norm, maximi
     _real("max_grad_norm", max_grad_norm, "a number ≥ 0 (0 turns clipping off)", lambda v: v >= 0)
     if not isinstance(maximize, bool):
         raise ValueError(f"Invalid maximize: {maximize!r}; maximize must be True or False")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r}; bucket_bytes must be a positive integer "
+                         f"(bytes of a bucket's fp32 working copy, default {DEFAULT_BUCKET_BYTES})")
     every = double_averaging_check_every
     if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 0:
         raise ValueError(f"Invalid double_averaging_check_every: {every!r}; it must be an integer ≥ 0, the same on "
@@ -101,22 +104,11 @@ def check_gradients(labeled_params) -> None:
 
 
 # ---- load: the state dict ----------------------------------------------------------------------------
-def expected_state_shapes(param: torch.Tensor, group: dict, keys) -> dict:
-    """{state key: (global shape, local shape)} of the tensors `keys` of `param`'s state."""
-    shapes = {}
-    for key in keys:
-        if key == "Q":   # b×r (2-D), (*E, Σ b_j, max r_j) (3-D / split): dion.q_shape
-            shapes[key] = q_shape(param, group)
-        else:            # momentum, exp_avg, exp_avg_sq: like the param
-            shapes[key] = (tuple(param.shape), tuple(local(param).shape))
-    return shapes
-
-
-def check_state_dict(state_dict, param_groups: list[dict], labels: dict, state_keys: dict) -> None:
+def check_state_dict(state_dict, param_groups: list[dict], labels: dict, algorithms: dict) -> None:
     """A state dict that `load_state_dict` may load into these param groups, or ValueError naming
     the group / param / tensor that does not fit (before torch.optim copies anything).
 
-    labels: param → its name for errors; state_keys: algorithm → the tensor keys of its state."""
+    labels: param → its name for errors; algorithms: name → record (registry.ALGORITHMS)."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
         keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
         raise ValueError(f"not an optimizer state dict (got {keys}); expected the dict of "
@@ -138,21 +130,21 @@ def check_state_dict(state_dict, param_groups: list[dict], labels: dict, state_k
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"param group {index} of the state dict has {len(saved['params'])} params, this "
                              f"optimizer's {len(group['params'])}; build the optimizer from the same model")
-        validate_group({**group, **saved}, index)
+        validate_group({**group, **saved}, index, algorithms[saved["algorithm"]], algorithms.values())
         for key, param in zip(saved["params"], group["params"]):
             owner[key] = (param, {**group, **saved})
     for key, param_state in state_dict["state"].items():
         if key not in owner:
             raise ValueError(f"the state dict holds state for param {key!r}, which no param group lists")
         param, group = owner[key]
-        _check_param_state(param_state, param, group, labels[param], state_keys[group["algorithm"]])
+        _check_param_state(param_state, param, group, labels[param], algorithms[group["algorithm"]])
 
 
-def _check_param_state(param_state, param, group: dict, label: str, keys) -> None:
+def _check_param_state(param_state, param, group: dict, label: str, record) -> None:
     where = f"the state of param {label} ({group['algorithm']!r})"
     if not isinstance(param_state, dict):
         raise ValueError(f"{where} is a {type(param_state).__name__}, not a dict of tensors")
-    wanted = set(keys) | {"step"}
+    wanted = set(record.state_keys) | {"step"}
     if param_state.keys() != wanted:
         missing, extra = sorted(wanted - param_state.keys()), sorted(param_state.keys() - wanted)
         raise ValueError(f"{where} has keys {sorted(param_state)}; expected {sorted(wanted)}"
@@ -163,7 +155,7 @@ def _check_param_state(param_state, param, group: dict, label: str, keys) -> Non
     if isinstance(step_value, bool) or not isinstance(step_value, numbers.Real) or not math.isfinite(step_value) \
             or step_value < 0:
         raise ValueError(f"{where}: 'step' is {step!r}; expected a finite count ≥ 0")
-    for key, (global_shape, local_shape) in expected_state_shapes(param, group, keys).items():
+    for key, (global_shape, local_shape) in record.state_shapes(param, group).items():
         value = param_state[key]
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{where}: {key!r} is a {type(value).__name__}, not a tensor")

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import datetime
 import math
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -94,6 +96,14 @@ def split_world(replicate: int, shard: int) -> tuple:
     return mine["replicate"], mine["shard"]
 
 
+class Axes(NamedTuple):
+    """The three axes of an optimizer (each an Axis; size 1 where the mesh has none)."""
+
+    replicate: "Axis"
+    shard: "Axis"
+    tensor: "Axis"
+
+
 class Pending:
     """A collective in flight: `wait()` blocks until it is done and returns its result."""
 
@@ -134,6 +144,13 @@ class Axis:
         pending = Pending(work, finish)
         return pending if async_op else pending.wait()
 
+    def _start(self, collective, *args, **kwargs):
+        """Start one torch.distributed collective on this axis's group (async; returns its work)."""
+        return collective(*args, group=self.group, async_op=True, **kwargs)
+
+    def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(self.group))
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
         """In place: tensor ← Σ (op="sum"), mean (op="mean", float only) or max over the axis."""
         finish = (lambda: tensor.div_(self.size)) if op == "mean" else (lambda: tensor)
@@ -141,7 +158,7 @@ class Axis:
             return self._issue(None, lambda: tensor, async_op)
         self._count("all_reduce", tensor)
         reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
+        work = self._start(dist.all_reduce, tensor, op=reduce_op)
         return self._issue(work, finish, async_op)
 
     def all_gather(self, tensor: torch.Tensor, async_op: bool = False):
@@ -150,7 +167,7 @@ class Axis:
             return self._issue(None, lambda: tensor.unsqueeze(0), async_op)
         self._count("all_gather", tensor)
         out = tensor.new_empty((self.size * tensor.numel(),))
-        work = _all_gather(out, tensor.contiguous().reshape(-1), group=self.group, async_op=True)
+        work = self._start(_all_gather, out, tensor.contiguous().reshape(-1))
         return self._issue(work, lambda: out.view(self.size, *tensor.shape), async_op)
 
     def all_to_all(self, tensor: torch.Tensor, input_splits: list[int] | None = None,
@@ -172,8 +189,7 @@ class Axis:
         self.bytes_sent += sent
         self.bytes_received += received
         self.calls += 1
-        work = dist.all_to_all_single(out, tensor.contiguous(), output_splits, input_splits, group=self.group,
-                                      async_op=True)
+        work = self._start(dist.all_to_all_single, out, tensor.contiguous(), output_splits, input_splits)
         return self._issue(work, lambda: out, async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, async_op: bool = False):
@@ -186,12 +202,12 @@ class Axis:
             return self._issue(None, lambda: tensor, async_op)
         self._count("reduce_scatter", tensor)
         piece_shape = (tensor.size(0) // self.size, *tensor.shape[1:])
-        if tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(self.group)):
+        if self._gloo_cpu(tensor):
             pieces = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            work = dist.all_to_all_single(pieces, tensor.contiguous(), group=self.group, async_op=True)
+            work = self._start(dist.all_to_all_single, pieces, tensor.contiguous())
             return self._issue(work, lambda: pieces.view(self.size, *piece_shape).sum(0), async_op)
         out = tensor.new_empty(piece_shape)
-        work = _reduce_scatter(out.view(-1), tensor.contiguous().view(-1), group=self.group, async_op=True)
+        work = self._start(_reduce_scatter, out.view(-1), tensor.contiguous().view(-1))
         return self._issue(work, lambda: out, async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
@@ -206,8 +222,11 @@ class Axis:
         else:
             self.bytes_sent += nbytes
         self.calls += 1
-        work = dist.reduce(tensor, dst=dist.get_global_rank(self.group, dst), group=self.group, async_op=True)
+        work = self._start(dist.reduce, tensor, dst=self._global_rank(dst))
         return self._issue(work, lambda: tensor, async_op)
+
+    def _global_rank(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
 
     def agree(self, values: list[int], timeout_s: float) -> list[list[int]]:
         """Every rank's list of ints (same length everywhere), waiting at most `timeout_s`, so a
@@ -228,3 +247,25 @@ class Axis:
                                f"optimizer's construction-time agreement check; every rank must construct the "
                                f"optimizer with the same parameters ({error})") from error
         return out.view(self.size, len(values)).tolist()
+
+
+class CountingAxis(Axis):
+    """An axis of `size` ranks (this one `rank`) that counts every collective exactly as `Axis`
+    does but moves nothing: results have the right shapes, their values are undefined. Running a
+    step against counting axes, on meta tensors, gives the bytes that step sends (traffic.py):
+    one byte model, the step's own code."""
+
+    def __init__(self, name: str, size: int = 1, rank: int = 0):
+        if name not in AXIS_NAMES:
+            raise ValueError(f"axis name must be one of {AXIS_NAMES}, got {name!r}")
+        self.name, self.group, self.size, self.rank = name, None, size, rank
+        self.reset_stats()
+
+    def _start(self, collective, *args, **kwargs):
+        return None
+
+    def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
+        return False
+
+    def _global_rank(self, rank: int) -> int:
+        return rank

@@ -27,13 +27,14 @@ import math
 
 import torch
 
+from . import hyperparams as H
+from .algorithm import Algorithm
 from .buckets import compute_dtype, stack_as
-from .comm import Axis
+from .exchange import MEAN, FactorMean
 from .hyperparams import state_dtype
 from .lowrank import column_normalize, dion_rank, orthonormalize
 from .matrices import matrix_blocks, matrix_seed, param_matrices, single_matrix
 from .placement import MatrixLayout, dim0_shards, like_param, local
-from .signs import padded_length
 
 
 def oriented_shape(layout: MatrixLayout) -> tuple[int, int]:
@@ -107,16 +108,21 @@ def init_state(param: torch.Tensor, group: dict, seed: int) -> dict:
                                                             dtype, device)
     if single_matrix(param, group):
         layout = matrices[0].layout
-        Q = like_param(param, Q, global_shape[0], 0 if layout.transpose else 1) if layout.split else Q
+        Q = like_param(param, Q, global_shape[0], 0 if layout.transpose else 1) if layout.distributed else Q
     elif dim0_shards(param):
         Q = like_param(param, Q, global_shape[0])
     return {"momentum": torch.zeros_like(param, dtype=dtype), "Q": Q}
 
 
-def work_split(layout: MatrixLayout, group: dict, replicas: int) -> int:
+def state_shapes(param: torch.Tensor, group: dict) -> dict:
+    """momentum: like the param; Q: `q_shape`."""
+    return {"momentum": (tuple(param.shape), tuple(local(param).shape)), "Q": q_shape(param, group)}
+
+
+def work_ranks(layout: MatrixLayout, group: dict, replicas: int) -> int:
     """How many ranks share a bucket's orthonormalization: the ranks of the innermost b-axis (the
     shard ranks under FSDP2), times the replicas when P crosses the replicate axis (compressed); on
-    the fallback the replicate axis carries G, and splitting there would add bytes. None split it
+    the fallback the replicate axis carries G, and splitting there would add bytes. None share it
     when an axis splits a (`gathered_orthonormalize`: every rank orthonormalizes whole P)."""
     a_axes, b_axes = oriented_axes(layout)
     if a_axes:
@@ -125,174 +131,65 @@ def work_split(layout: MatrixLayout, group: dict, replicas: int) -> int:
     return inner * (replicas if compressed(layout, group) else 1)
 
 
-def wire_dtype(group: dict) -> torch.dtype:
-    """The group's replicate-axis precision of P and R (torch.bfloat16 or torch.float32)."""
-    return getattr(torch, group["wire_dtype"])
+def exchange(group: dict, layout: MatrixLayout, numel: int, replicas: int) -> FactorMean:
+    """The bucket's exchange: P and R in the group's wire dtype when low rank saves bytes, else the
+    gradient mean (exchange.FactorMean)."""
+    return FactorMean(compressed(layout, group), getattr(torch, group["wire_dtype"]), rank_of(layout, group))
 
 
-def replicate_mean(T: torch.Tensor, replicate: Axis, wire: torch.dtype):
-    """T ← mean over the replicate axis, exchanged in `wire`: T is rounded to `wire` before the
-    all-reduce, so every replica gets the same values, returned in T's dtype (a generator).
-    Nothing is rounded on a replicate axis of size 1 (nothing is exchanged)."""
-    if replicate.size == 1:
-        return T
-    mean = yield replicate.all_reduce(T.to(wire), "mean", async_op=True)
-    return mean.to(T.dtype)
+def options(group: dict) -> dict:
+    return {"lr": group["lr"], "mu": group["mu"], "weight_decay": group["weight_decay"],
+            "epsilon": group["epsilon"], "qr_method": group["qr_method"]}
 
 
-def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool,
-                             wire: torch.dtype):
-    """P ← mean_replicas(Σ_shards P) for P (k, a, r); a generator of collectives (see schedule.py).
-
-    With both axes (HSDP) the replicate axis carries only this rank's a/F rows:
-    reduce-scatter the rows over the shard axis, average the piece over the
-    replicate axis (in `wire`), all-gather it back in `wire` (lossless: the piece
-    holds `wire` values; rows padded to a multiple of F).
-    """
-    if not average_replicas:
-        return (yield shard.all_reduce(P, "sum", async_op=True))
-    if shard.size == 1:
-        return (yield from replicate_mean(P, replicate, wire))
-    k, a, r = P.shape
-    rows = padded_length(a, shard.size)
-    by_rows = torch.nn.functional.pad(P.permute(1, 0, 2), (0, 0, 0, 0, 0, rows - a))   # (rows, k, r)
-    piece = yield shard.reduce_scatter(by_rows, async_op=True)                          # (rows/F, k, r)
-    piece = yield from replicate_mean(piece, replicate, wire)
-    exchanged = piece.to(wire) if replicate.size > 1 else piece
-    gathered = yield shard.all_gather(exchanged, async_op=True)
-    return gathered.to(P.dtype).reshape(rows, k, r)[:a].permute(1, 0, 2)
-
-
-def split_orthonormalize(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool, orthonormalize_share,
-                         wire: torch.dtype):
-    """orthonormalize(mean_replicas(Σ_shards P)) for P (k, a, r), k a multiple of S = F·W
-    (W = replicate size when averaging, else 1), each rank orthonormalizing k/S matrices
-    (a generator of collectives).
-
-    Shard axis: reduce-scatter the matrices (rank i gets the sum of its k/F), all-gather at the
-    end. Replicate axis, in `wire` (as the all-reduce it replaces): reduce-scatter that piece (rank
-    j gets the sum of its k/S), divide by W, orthonormalize in P's dtype, all-gather the result
-    rounded to `wire`, so every replica (the owner too) applies the same values. A reduce-scatter
-    plus an all-gather moves 2(M−1)/M of the input: the bytes of the all-reduce of P it replaces.
-    """
-    k, a, r = P.shape
-    piece = (yield shard.reduce_scatter(P, async_op=True)) if shard.size > 1 else P
-    voters = replicate.size if average_replicas else 1
-    if voters > 1:
-        summed = yield replicate.reduce_scatter(piece.to(wire), async_op=True)
-        piece = summed.div_(voters).to(P.dtype)
-    piece = orthonormalize_share(piece)
-    if voters > 1:
-        piece = (yield replicate.all_gather(piece.to(wire), async_op=True)).reshape(-1, a, r)
-    if shard.size > 1:
-        piece = (yield shard.all_gather(piece, async_op=True)).reshape(k, a, r)
-    return piece.to(P.dtype)
-
-
-def exchange_orthonormalize(P: torch.Tensor, shard: Axis, replicate: Axis, average_replicas: bool,
-                            orthonormalize_share, wire: torch.dtype):
-    """orthonormalize(mean_replicas(Σ_shards P)) for P (k, a, r) (a generator of collectives). The
-    first k − (k mod S) matrices go through `split_orthonormalize` (work split over S = F·W ranks);
-    the rest, fewer than S, are exchanged whole and orthonormalized by every rank."""
-    split = shard.size * (replicate.size if average_replicas else 1)
-    even = P.shape[0] - P.shape[0] % split
-    parts = []
-    if even:
-        parts.append((yield from split_orthonormalize(P[:even], shard, replicate, average_replicas,
-                                                      orthonormalize_share, wire)))
-    if even < P.shape[0]:
-        rest = yield from sum_shards_mean_replicas(P[even:], shard, replicate, average_replicas, wire)
-        parts.append(orthonormalize_share(rest))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def gathered_orthonormalize(P: torch.Tensor, a_axis: Axis, a_parts: tuple[int, ...], a_index: int, b_axes,
-                            replicate: Axis, average_replicas: bool, orthonormalize_whole, wire: torch.dtype):
-    """This rank's rows of orthonormalize(mean_replicas(Σ_b-axes P)) when an axis splits a (a generator).
-
-    P: (k, a_i, r), rows a_i of `a_parts` (rows per a-axis rank). Σ over each b-axis (all-reduce
-    sum), mean over the replicate axis in `wire` (only this rank's a_i rows cross it), then an
-    all-gather of the a-axis row blocks (padded to ⌈a/A⌉, in `wire` when the replicate mean rounded
-    them: lossless) gives every a-axis rank the whole P (k, a, r); each orthonormalizes it and keeps
-    its rows. A-axis bytes: (A−1)·k·⌈a/A⌉·r elements.
-    """
-    for axis in b_axes:
-        P = yield axis.all_reduce(P, "sum", async_op=True)
-    if average_replicas:
-        P = yield from replicate_mean(P, replicate, wire)
-    exchanged = P.to(wire) if average_replicas and replicate.size > 1 else P
-    rows = max(a_parts)
-    padded = torch.nn.functional.pad(exchanged, (0, 0, 0, rows - P.shape[1]))
-    blocks = yield a_axis.all_gather(padded, async_op=True)                        # (A, k, ⌈a/A⌉, r)
-    whole = torch.cat([block[:, :size] for block, size in zip(blocks, a_parts)], dim=1).to(P.dtype)
-    start = sum(a_parts[:a_index])
-    return orthonormalize_whole(whole)[:, start:start + a_parts[a_index]]
-
-
-def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int,
-         tensor: Axis):
-    """One Dion step on a bucket of same-layout matrices (local tensors, updated in place).
-    A generator that yields each collective (schedule.overlap runs it). The layout says which of
-    `shard` and `tensor` split the matrices (a whole matrix joins neither's collectives).
-
-    Working memory: one fp32 copy of the bucket's momenta (B, updated in place), k·(a + b)·r for
-    P, Q, R, and one matrix's update at a time."""
-    axes = {"shard": shard, "tensor": tensor}
+def step(params, grads, states, *, layout: MatrixLayout, exchange: FactorMean, axes, seed: int, lr: float,
+         mu: float, weight_decay: float, epsilon: float, qr_method: str):
+    """One Dion step on a bucket of same-layout matrices (local tensors, updated in place): the module
+    docstring's equations, a generator of collectives (schedule.py). The layout says which of
+    axes.shard and axes.tensor split the matrices. Working memory: one fp32 copy of the momenta
+    (B, in place), k·(a + b)·r for P, Q, R, one matrix's update at a time."""
     a_names, b_names = oriented_axes(layout)
-    b_axes = [axes[name] for name in b_names]
-    dtype = compute_dtype(params[0].dtype)
-    low_rank = compressed(layout, group)
+    a_axes, b_axes = [getattr(axes, name) for name in a_names], [getattr(axes, name) for name in b_names]
+    dtype, r = compute_dtype(params[0].dtype), exchange.rank
+    # momentum: B ← M + G (G averaged over the replicas first when low rank saves nothing)
     M = stack_as([s["momentum"] for s in states], dtype)            # (k, m_i, n_j), X's orientation
-    if low_rank:
+    if exchange.low_rank:
         for momentum, grad in zip(M, grads):
             momentum.add_(grad)
     else:
-        G = yield replicate.all_reduce(stack_as(grads, dtype), "mean", async_op=True)
-        M += G
-        del G
+        M += (yield from MEAN.stacked(grads, dtype, axes.replicate))
     B = M.mT if layout.transpose else M                              # (k, a_i, b_j)
-    r = rank_of(layout, group)
     Q = stack_as([s["Q"][:, :r] for s in states], dtype)            # (a split param's Q is padded to its largest r)
-
-    def orthonormalize_share(P):
-        return orthonormalize(P, group["qr_method"], seed)
-
-    wire = wire_dtype(group)
-    if a_names:
-        a_axis = axes[a_names[0]]
-        parts = layout.axis_parts(a_names[0])
-        P = yield from gathered_orthonormalize(B @ Q, a_axis, parts, a_axis.rank, b_axes, replicate, low_rank,
-                                               orthonormalize_share, wire)
-    else:
-        P = B @ Q
-        for axis in b_axes[:-1]:                                     # the outer b-axis of FSDP2 over TP
-            P = yield axis.all_reduce(P, "sum", async_op=True)
-        P = yield from exchange_orthonormalize(P, b_axes[-1] if b_axes else Axis("shard"), replicate, low_rank,
-                                               orthonormalize_share, wire)
-    R = B.mT @ P
-    if a_names:
-        R = yield axes[a_names[0]].all_reduce(R, "sum", async_op=True)
-    if low_rank:
-        R = yield from replicate_mean(R, replicate, wire)
+    # direction: P ← orthonormalize(mean B·Q), R ← mean Bᵀ·P
+    a_parts = layout.axis_parts(a_names[0]) if a_names else ()
+    P = yield from exchange.basis(B @ Q, a_axes, a_parts, b_axes, axes.replicate,
+                                  lambda P: orthonormalize(P, qr_method, seed))
+    R = yield from exchange.r_mean(B.mT @ P, a_axes, axes.replicate)
     # error feedback B ← B − (1−μ)·P·Rᵀ, in place on M's memory (Mᵀ ← Mᵀ − (1−μ)·R·Pᵀ when transposed)
-    if layout.transpose:
-        M.baddbmm_(R, P.mT, alpha=-(1 - group["mu"]))
-    else:
-        M.baddbmm_(P, R.mT, alpha=-(1 - group["mu"]))
+    M.baddbmm_(*((R, P.mT) if layout.transpose else (P, R.mT)), alpha=-(1 - mu))
     for state, momentum in zip(states, M):
         state["momentum"].copy_(momentum)
     del B, M
     col_sq_norms = (R * R).sum(dim=-2)
     for axis in b_axes:
         col_sq_norms = yield axis.all_reduce(col_sq_norms, "sum", async_op=True)
-    Q = column_normalize(R, col_sq_norms, Q, group["epsilon"])
-
+    Q = column_normalize(R, col_sq_norms, Q, epsilon)
+    # apply: X ← (1 − lr·wd)·X − lr·√(m/n)·P·Qᵀ
     m, n = layout.shape
-    lr = group["lr"]
-    scale = math.sqrt(m / n)
-    for i, (param, state) in enumerate(zip(params, states)):
-        state["Q"][:, :r].copy_(Q[i])
-        update = P[i] @ Q[i].mT                                       # a_i×b_j
-        if layout.transpose:
-            update = update.mT
-        param.mul_(1 - lr * group["weight_decay"]).add_(update.to(param.dtype), alpha=-lr * scale)
+    for param, state, P_i, Q_i in zip(params, states, P, Q):
+        state["Q"][:, :r].copy_(Q_i)
+        update = P_i @ Q_i.mT                                         # a_i×b_j
+        param.mul_(1 - lr * weight_decay).add_((update.mT if layout.transpose else update).to(param.dtype),
+                                               alpha=-lr * math.sqrt(m / n))
+
+
+DION = Algorithm(
+    name="dion", matrix=True, state_keys=("momentum", "Q"),
+    hyperparameters={"lr": H.LR, "weight_decay": H.WEIGHT_DECAY, "epsilon": H.EPSILON, "mu": H.MU,
+                     "rank_fraction": H.RANK_FRACTION, "rank_multiple_of": H.RANK_MULTIPLE_OF,
+                     "qr_method": H.QR_METHOD, "wire_dtype": H.WIRE_DTYPE, "state_dtype": H.STATE_DTYPE,
+                     "split": H.SPLIT},
+    plan_keys=("rank_fraction", "rank_multiple_of", "wire_dtype", "split"),
+    init_state=init_state, state_shapes=state_shapes, step=step, options=options, exchange=exchange,
+    describe_exchange=lambda group: f"rank_fraction {group['rank_fraction']:g}, {group['wire_dtype']} factors",
+    b_side_state=("Q",), decoupled_momentum="momentum", work_ranks=work_ranks)

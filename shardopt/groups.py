@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .hyperparams import ALGORITHMS, DEFAULTS, MATRIX_ALGORITHMS, normalize_dtype_names
+from . import registry
+from .hyperparams import normalize_dtype_names
 from .traffic import describe
 
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm,
@@ -16,13 +19,13 @@ CONV_TYPES = (nn.modules.conv._ConvNd,)   # 3-D conv weights are kernels, not st
 HEAD_NAMES = ("lm_head", "output", "head", "classifier")
 
 
-def _why_scalar(name: str, param: torch.Tensor, module: nn.Module, embedding_params: set,
-                head_names, scalar_names) -> str | None:
+def _why_nonmatrix(name: str, param: torch.Tensor, module: nn.Module, embedding_params: set,
+                   head_names, nonmatrix_names) -> str | None:
     """Why a parameter is not a matrix weight, or None if it is one."""
     leaf = name.rsplit(".", 1)
     module_name = leaf[0] if len(leaf) == 2 else ""
-    if any(pattern in name for pattern in scalar_names):
-        return "named scalar"
+    if any(pattern in name for pattern in nonmatrix_names):
+        return "named non-matrix"
     if isinstance(module, EMBEDDING_TYPES) or id(param) in embedding_params:
         return "embedding (or tied to one)"
     if isinstance(module, NORM_TYPES):
@@ -35,35 +38,52 @@ def _why_scalar(name: str, param: torch.Tensor, module: nn.Module, embedding_par
     return None
 
 
-def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algorithm: str = "adamw", *,
-                 matrix_options: dict | None = None, scalar_options: dict | None = None,
-                 head_names=HEAD_NAMES, scalar_names=(), splits: dict | None = None, verbose: bool = False,
-                 replicas: int | None = None) -> list[dict]:
-    """Two param groups for a model: 2-D weights and 3-D expert stacks (E, m, n) for
-    `matrix_algorithm`, the rest for `scalar_algorithm`.
+DEPRECATED_KEYWORDS = {"scalar_algorithm": "nonmatrix_algorithm", "scalar_options": "nonmatrix_options",
+                       "scalar_names": "nonmatrix_names"}
 
-    Scalar (element-wise) params: embeddings and weights tied to them, output heads (module
+
+def param_groups(model: nn.Module, matrix_algorithm: str = "dion", nonmatrix_algorithm: str = "adamw", *,
+                 matrix_options: dict | None = None, nonmatrix_options: dict | None = None,
+                 head_names=HEAD_NAMES, nonmatrix_names=(), splits: dict | None = None, verbose: bool = False,
+                 replicas: int | None = None, **deprecated) -> list[dict]:
+    """Two param groups for a model: 2-D weights and 3-D expert stacks (E, m, n) for
+    `matrix_algorithm`, the rest for `nonmatrix_algorithm`.
+
+    Non-matrix (element-wise) params: embeddings and weights tied to them, output heads (module
     named in `head_names`), norms, biases, conv kernels, every other tensor that is not 2-D or
-    3-D, and any whose name contains a string in `scalar_names`. Each group carries "param_names" (so errors name
-    parameters) and the options given for it (e.g. scalar_options={"lr": 3e-4}). The scalar group
-    has no weight decay unless scalar_options sets "weight_decay" (norms, biases and embeddings
-    are usually not decayed); the matrix group takes the optimizer's default.
+    3-D, and any whose name contains a string in `nonmatrix_names`. Each group carries "param_names"
+    (so errors name parameters) and the options given for it (e.g. nonmatrix_options={"lr": 1e-2}). The
+    non-matrix group has no weight decay unless nonmatrix_options sets "weight_decay" (norms, biases
+    and embeddings are usually not decayed); the matrix group takes the optimizer's default.
     splits: {name substring: (dim, sizes)}: the matrix params whose name contains the substring (the
     first that matches) go to a matrix group of their own with that `split` (fused projections,
     e.g. {"attn.qkv": (0, (d, d_kv, d_kv))}; shardopt/matrices.py); each must match some matrix param.
     With verbose=True, prints one line per group with its replicate-axis bytes per step at
     `replicas` replicas (see describe_groups). Groups with no params are left out.
+    The keywords scalar_algorithm, scalar_options and scalar_names (before 0.3) still work, with a
+    DeprecationWarning.
     """
-    if matrix_algorithm not in MATRIX_ALGORITHMS:
-        raise ValueError(f"Invalid matrix_algorithm: {matrix_algorithm!r}; allowed: {', '.join(map(repr, MATRIX_ALGORITHMS))}")
-    scalar_algorithms = tuple(a for a in ALGORITHMS if a not in MATRIX_ALGORITHMS)
-    if scalar_algorithm not in scalar_algorithms:
-        raise ValueError(f"Invalid scalar_algorithm: {scalar_algorithm!r}; allowed: {', '.join(map(repr, scalar_algorithms))}")
+    spelled = {}   # new keyword → the deprecated one the caller used (errors name what was passed)
+    for old, value in deprecated.items():
+        if old not in DEPRECATED_KEYWORDS:
+            raise TypeError(f"param_groups() got an unexpected keyword argument {old!r}")
+        new = DEPRECATED_KEYWORDS[old]
+        spelled[new] = old
+        warnings.warn(f"param_groups({old}=...) is deprecated; use {new}=...", DeprecationWarning, stacklevel=2)
+    given = {"nonmatrix_algorithm": nonmatrix_algorithm, "nonmatrix_options": nonmatrix_options,
+             "nonmatrix_names": nonmatrix_names}
+    given.update({new: deprecated[old] for new, old in spelled.items()})
+    nonmatrix_algorithm, nonmatrix_options, nonmatrix_names = given.values()
+    for keyword, value, allowed in (("matrix_algorithm", matrix_algorithm, registry.matrix_algorithms()),
+                                    (spelled.get("nonmatrix_algorithm", "nonmatrix_algorithm"), nonmatrix_algorithm,
+                                     registry.nonmatrix_algorithms())):
+        if value not in allowed:
+            raise ValueError(f"Invalid {keyword}: {value!r}; allowed: {', '.join(map(repr, allowed))}")
     modules = dict(model.named_modules())
     embedding_params = {id(p) for m in model.modules() if isinstance(m, EMBEDDING_TYPES) for p in m.parameters(recurse=False)}
     matrix = {"params": [], "param_names": [], "algorithm": matrix_algorithm, **(matrix_options or {})}
-    scalar = {"params": [], "param_names": [], "algorithm": scalar_algorithm, "weight_decay": 0.0,
-              **(scalar_options or {})}
+    nonmatrix = {"params": [], "param_names": [], "algorithm": nonmatrix_algorithm, "weight_decay": 0.0,
+                 **(nonmatrix_options or {})}
     split_groups = {pattern: {**matrix, "params": [], "param_names": [], "split": split}
                     for pattern, split in (splits or {}).items()}
     reasons: dict[str, int] = {}
@@ -71,8 +91,8 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algori
         if not param.requires_grad:
             continue
         module = modules[name.rsplit(".", 1)[0]] if "." in name else model
-        reason = _why_scalar(name, param, module, embedding_params, head_names, scalar_names)
-        target = scalar if reason is not None else \
+        reason = _why_nonmatrix(name, param, module, embedding_params, head_names, nonmatrix_names)
+        target = nonmatrix if reason is not None else \
             next((group for pattern, group in split_groups.items() if pattern in name), matrix)
         target["params"].append(param)
         target["param_names"].append(name)
@@ -82,7 +102,7 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", scalar_algori
     if unmatched:
         raise ValueError(f"splits {unmatched} match no matrix parameter's name; matrix params: "
                          f"{', '.join(matrix['param_names'][:8])}{' …' if len(matrix['param_names']) > 8 else ''}")
-    groups = [g for g in (matrix, *split_groups.values(), scalar) if g["params"]]
+    groups = [g for g in (matrix, *split_groups.values(), nonmatrix) if g["params"]]
     if verbose:
         print(describe_groups(groups, reasons, replicas))
     return groups
@@ -97,7 +117,7 @@ def describe_groups(groups: list[dict], reasons: dict | None = None, replicas: i
         replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
     complete = []
     for group in groups:
-        complete.append({**DEFAULTS, **group})
+        complete.append({**registry.defaults(), **group})
         normalize_dtype_names(complete[-1])
     text = describe(complete, replicas)
     if reasons:

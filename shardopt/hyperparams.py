@@ -1,4 +1,5 @@
-"""Param-group hyperparameters: the defaults, and validation with errors that name the parameter."""
+"""Param-group hyperparameters: the checks (errors that name the parameter) and the keys several
+algorithms share; each algorithm's record (algorithm.py) lists the keys it reads."""
 
 from __future__ import annotations
 
@@ -7,69 +8,26 @@ import numbers
 
 import torch
 
+from .algorithm import Hyperparameter
 from .lowrank import QR_METHODS
 from .vote import VOTES
 
-ALGORITHMS = ("dion", "signmuon", "muon", "adamw", "lion")
-MATRIX_ALGORITHMS = ("dion", "signmuon", "muon")
 LR_SCALES = ("none", "unit_gain")
 ORTHOGONALIZE = ("shard", "full")
 NS_DTYPES = ("float32", "float64", "bfloat16", "float16")
 STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 WIRE_DTYPES = ("bfloat16", "float32")
 DTYPE_KEYS = ("ns_dtype", "wire_dtype", "state_dtype")   # accept a torch.dtype or its name; the group holds the name
-
-# Every group carries every key (as torch.optim does); each algorithm reads its own.
-DEFAULTS = {
-    "lr": 0.01,
-    "weight_decay": 0.0,
-    "maximize": False,   # every algorithm: step along +gradient (torch.optim's maximize)
-    "betas": (0.9, 0.95),
-    "epsilon": 1e-8,
-    # matrix algorithms: dtype of the momentum (and Dion's Q); None = the param's dtype
-    "state_dtype": None,
-    # matrix algorithms: (dim, sizes) cuts each matrix along dim into blocks stepped as matrices of
-    # their own (a fused QKV weight: (0, (d, d_kv, d_kv))); None = whole (shardopt/matrices.py)
-    "split": None,
-    # Dion
-    "mu": 0.95,
-    "rank_fraction": 1.0,
-    "rank_multiple_of": 1,
-    "qr_method": "qr",
-    # Sign-Muon and Muon
-    "momentum": 0.9,
-    "nesterov": False,
-    "ns_steps": 5,
-    "ns_dtype": None,
-    "compile": False,   # torch.compile the Newton–Schulz iterations (eager if compiling fails)
-    "post_polar": False,
-    "lr_scale": "none",
-    "vote": "auto",
-    "orthogonalize": "shard",
-    # replicate-axis precision of Dion's P and R, and of Sign-Muon's "full" shard-axis all-to-all
-    "wire_dtype": "bfloat16",
-}
-
-# Which keys each algorithm reads (validated only where read).
-KEYS = {
-    "dion": ("lr", "weight_decay", "epsilon", "mu", "rank_fraction", "rank_multiple_of", "qr_method", "wire_dtype",
-             "state_dtype", "split"),
-    "signmuon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "post_polar",
-                 "lr_scale", "vote", "orthogonalize", "wire_dtype", "state_dtype", "compile", "split"),
-    "muon": ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "orthogonalize", "wire_dtype",
-             "state_dtype", "compile", "split"),
-    "adamw": ("lr", "weight_decay", "betas", "epsilon"),
-    "lion": ("lr", "weight_decay", "betas", "vote"),
-}
 COMMON_KEYS = ("maximize",)   # read by every algorithm
 HINTS = {("adamw", "vote"): "; for a 1-bit vote of the non-matrix parameters use algorithm 'lion'"}
+INF = float("inf")
 
 
 def _where(index: int) -> str:
     return f"param group {index}"
 
 
-def _number(group, key, index, low, high, low_open=False, high_open=True):
+def number(group, key, index, low, high, low_open=False, high_open=True):
     value = group[key]
     if isinstance(value, torch.Tensor):   # torch.optim's capturable pattern; shardopt steps are not graph-captured
         raise ValueError(f"Invalid {key}: a tensor ({_where(index)}); pass a Python float, e.g. {key}={key}.item()")
@@ -82,18 +40,18 @@ def _number(group, key, index, low, high, low_open=False, high_open=True):
         raise ValueError(f"Invalid {key}: {value} ({_where(index)}); {key} must be in {interval}")
 
 
-def _choice(group, key, index, allowed):
+def choice(group, key, index, allowed):
     if group[key] not in allowed:
         raise ValueError(f"Invalid {key}: {group[key]!r} ({_where(index)}); allowed: {', '.join(map(repr, allowed))}")
 
 
-def _integer(group, key, index, low):
+def integer(group, key, index, low):
     value = group[key]
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"Invalid {key}: {value!r} ({_where(index)}); {key} must be an integer ≥ {low}")
 
 
-def _flag(group, key, index):
+def flag(group, key, index):
     if not isinstance(group[key], bool):
         raise ValueError(f"Invalid {key}: {group[key]!r} ({_where(index)}); {key} must be True or False")
 
@@ -106,46 +64,26 @@ def normalize_dtype_names(group: dict) -> None:
             group[key] = str(group[key]).removeprefix("torch.")
 
 
-def validate_group(group: dict, index: int, explicit_keys=()) -> None:
+def validate_group(group: dict, index: int, algorithm, algorithms, explicit_keys=()) -> None:
     """Raise ValueError naming the key, the group, the value given and what is allowed.
-    `explicit_keys`: the hyperparameters the user set in this group (not defaults); each must be
-    one the group's algorithm reads."""
-    algorithm = group["algorithm"]
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"Invalid algorithm: {algorithm!r} ({_where(index)}); allowed: "
-                         f"{', '.join(map(repr, ALGORITHMS))}")
+    algorithm: the group's record (algorithm.py); algorithms: every registered record (to name the
+    readers of a key). `explicit_keys`: the hyperparameters the user set in this group (not
+    defaults); each must be one the group's algorithm reads."""
+    known = {name: record for name, record in ((r.name, r) for r in algorithms)}
     for key in explicit_keys:
-        if key in DEFAULTS and key not in KEYS[algorithm] + COMMON_KEYS:
-            readers = [name for name, keys in KEYS.items() if key in keys]
-            raise ValueError(f"Invalid {key} in {_where(index)} (algorithm {algorithm!r}): only "
+        if key not in algorithm.hyperparameters and key not in COMMON_KEYS:
+            readers = [name for name, record in known.items() if key in record.hyperparameters]
+            raise ValueError(f"Invalid {key} in {_where(index)} (algorithm {algorithm.name!r}): only "
                              f"{', '.join(map(repr, readers))} groups read {key}; remove it from this group"
-                             f"{HINTS.get((algorithm, key), '')}")
-    inf = float("inf")
-    checks = {
-        "lr": lambda: _number(group, "lr", index, 0.0, inf),
-        "weight_decay": lambda: _number(group, "weight_decay", index, 0.0, inf),
-        "epsilon": lambda: _number(group, "epsilon", index, 0.0, inf, low_open=True),
-        "mu": lambda: _number(group, "mu", index, 0.0, 1.0),
-        "momentum": lambda: _number(group, "momentum", index, 0.0, 1.0),
-        "rank_fraction": lambda: _number(group, "rank_fraction", index, 0.0, 1.0, low_open=True, high_open=False),
-        "rank_multiple_of": lambda: _integer(group, "rank_multiple_of", index, 1),
-        "ns_steps": lambda: _integer(group, "ns_steps", index, 1),
-        "qr_method": lambda: _choice(group, "qr_method", index, QR_METHODS),
-        "lr_scale": lambda: _choice(group, "lr_scale", index, LR_SCALES),
-        "vote": lambda: _choice(group, "vote", index, VOTES),
-        "orthogonalize": lambda: _choice(group, "orthogonalize", index, ORTHOGONALIZE),
-        "ns_dtype": lambda: _choice(group, "ns_dtype", index, (None,) + NS_DTYPES),
-        "state_dtype": lambda: _choice(group, "state_dtype", index, (None,) + STATE_DTYPES),
-        "wire_dtype": lambda: _choice(group, "wire_dtype", index, WIRE_DTYPES),
-        "nesterov": lambda: _flag(group, "nesterov", index),
-        "post_polar": lambda: _flag(group, "post_polar", index),
-        "maximize": lambda: _flag(group, "maximize", index),
-        "compile": lambda: _flag(group, "compile", index),
-        "betas": lambda: _betas(group, index),
-        "split": lambda: _split(group, index),
-    }
-    for key in KEYS[algorithm] + COMMON_KEYS:
-        checks[key]()
+                             f"{HINTS.get((algorithm.name, key), '')}")
+    for key, hyperparameter in algorithm.hyperparameters.items():
+        hyperparameter.check(group, key, index)
+    MAXIMIZE.check(group, "maximize", index)
+
+
+def unknown_algorithm(name, index: int, algorithms) -> ValueError:
+    return ValueError(f"Invalid algorithm: {name!r} ({_where(index)}); allowed: "
+                      f"{', '.join(repr(record.name) for record in algorithms)}")
 
 
 def state_dtype(group: dict, param: torch.Tensor) -> torch.dtype:
@@ -154,7 +92,7 @@ def state_dtype(group: dict, param: torch.Tensor) -> torch.dtype:
     return getattr(torch, group["state_dtype"]) if group.get("state_dtype") else param.dtype
 
 
-def _split(group, index):
+def split_check(group, key, index):
     """None, or (dim, sizes): dim an int, sizes a non-empty sequence of integers ≥ 1 (whether they fit
     each param is checked with the param: shardopt.matrices.split_sizes)."""
     split = group["split"]
@@ -172,10 +110,49 @@ def _split(group, index):
                          f"one), {example}")
 
 
-def _betas(group, index):
+def betas_check(group, key, index):
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"Invalid betas: {betas!r} ({_where(index)}); betas must be a pair (beta1, beta2)")
     for i, beta in enumerate(betas):
         if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= beta < 1.0:   # (NaN fails)
             raise ValueError(f"Invalid betas[{i}]: {beta!r} ({_where(index)}); each beta must be in [0.0, 1.0)")
+
+
+def _range(low, high, **interval):
+    return lambda group, key, index: number(group, key, index, low, high, **interval)
+
+
+def _choices(allowed):
+    return lambda group, key, index: choice(group, key, index, allowed)
+
+
+# keys several algorithms read: one default and one check each (every group carries every key,
+# as torch.optim's groups carry its defaults; each algorithm reads and validates its own)
+LR = Hyperparameter(0.01, _range(0.0, INF))
+WEIGHT_DECAY = Hyperparameter(0.0, _range(0.0, INF))
+MAXIMIZE = Hyperparameter(False, flag)   # every algorithm: step along +gradient (torch.optim's maximize)
+BETAS = Hyperparameter((0.9, 0.95), betas_check)
+EPSILON = Hyperparameter(1e-8, _range(0.0, INF, low_open=True))
+# matrix algorithms: dtype of the momentum (and Dion's Q); None = the param's dtype
+STATE_DTYPE = Hyperparameter(None, _choices((None,) + STATE_DTYPES))
+# matrix algorithms: (dim, sizes) cuts each matrix along dim into blocks stepped as matrices of
+# their own (a fused QKV weight: (0, (d, d_kv, d_kv))); None = whole (shardopt/matrices.py)
+SPLIT = Hyperparameter(None, split_check)
+# replicate-axis precision of Dion's P and R, and of Sign-Muon's "full" shard-axis all-to-all
+WIRE_DTYPE = Hyperparameter("bfloat16", _choices(WIRE_DTYPES))
+VOTE = Hyperparameter("auto", _choices(VOTES))
+# Sign-Muon and Muon
+MOMENTUM = Hyperparameter(0.9, _range(0.0, 1.0))
+NESTEROV = Hyperparameter(False, flag)
+NS_STEPS = Hyperparameter(5, lambda group, key, index: integer(group, key, index, 1))
+NS_DTYPE = Hyperparameter(None, _choices((None,) + NS_DTYPES))
+COMPILE = Hyperparameter(False, flag)   # torch.compile the Newton–Schulz iterations (eager if compiling fails)
+ORTHOGONALIZE_KEY = Hyperparameter("shard", _choices(ORTHOGONALIZE))
+# Dion
+MU = Hyperparameter(0.95, _range(0.0, 1.0))
+RANK_FRACTION = Hyperparameter(1.0, _range(0.0, 1.0, low_open=True, high_open=False))
+RANK_MULTIPLE_OF = Hyperparameter(1, lambda group, key, index: integer(group, key, index, 1))
+QR_METHOD = Hyperparameter("qr", _choices(QR_METHODS))
+POST_POLAR = Hyperparameter(False, flag)
+LR_SCALE = Hyperparameter("none", _choices(LR_SCALES))

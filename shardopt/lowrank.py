@@ -35,6 +35,8 @@ def orthonormalize(P: torch.Tensor, method: str = "qr", seed: int = 0) -> torch.
     """
     if method not in QR_METHODS:
         raise ValueError(f"qr_method must be one of {QR_METHODS}, got {method!r}")
+    if P.device.type == "meta":   # shapes only (traffic.py's counting run): no factorization, no sync
+        return torch.empty_like(P)
     Q = None
     if method == "cholesky":
         Q = _cholesky_qr(P)

@@ -96,7 +96,7 @@ class MatrixLayout:
         return ("tensor",) * bool(self.tensor_cols)
 
     @property
-    def split(self) -> bool:
+    def distributed(self) -> bool:
         """X is split over some axis (its state tensors are DTensors placed like X)."""
         return bool(self.row_axes or self.col_axes)
 

@@ -77,6 +77,6 @@ def polar(G: torch.Tensor, steps: int = 5, dtype: torch.dtype | None = None, com
         X = X.mT
     X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
     batch = X.shape[:-2]
-    X = _iterations(compile)(X.reshape(batch.numel(), *X.shape[-2:]), steps)
+    X = _iterations(compile and X.device.type != "meta")(X.reshape(batch.numel(), *X.shape[-2:]), steps)
     X = X.reshape(*batch, *X.shape[-2:])
     return X.mT if tall else X

@@ -23,24 +23,16 @@ import math
 
 import torch
 
+from . import hyperparams as H
+from .algorithm import Algorithm
 from .buckets import compute_dtype, stack_as
 from .comm import Axis
+from .exchange import MEAN, Mean, Vote
 from .hyperparams import state_dtype
-from .placement import MatrixLayout
+from .placement import MatrixLayout, local
 from .polar import polar
-from .vote import resolve_vote, vote_exchange
-
-
-def init_state(param: torch.Tensor, group: dict, seed: int) -> dict:
-    """momentum: zeros like the param (all its matrices: shardopt/matrices.py)."""
-    return {"momentum": torch.zeros_like(param, dtype=state_dtype(group, param))}
-
-
-def _polar(group: dict):
-    """polar with the group's Newton–Schulz steps, dtype (None: bf16 on CUDA, fp32 elsewhere) and
-    `compile` option."""
-    dtype = getattr(torch, group["ns_dtype"]) if group["ns_dtype"] else None
-    return functools.partial(polar, steps=group["ns_steps"], dtype=dtype, compile=group["compile"])
+from .signs import positive_signs
+from .vote import vote_format
 
 
 def polar_stages(layout: MatrixLayout, shard: Axis, tensor: Axis) -> list[tuple[Axis, int, tuple[int, ...]]]:
@@ -93,7 +85,16 @@ def full_polar(U_in: torch.Tensor, stages, orthogonalize, wire: torch.dtype):
     return out
 
 
-def work_split(layout: MatrixLayout, group: dict, replicas: int) -> int:
+def init_state(param: torch.Tensor, group: dict, seed: int) -> dict:
+    """momentum: zeros like the param (all its matrices: shardopt/matrices.py)."""
+    return {"momentum": torch.zeros_like(param, dtype=state_dtype(group, param))}
+
+
+def state_shapes(param: torch.Tensor, group: dict) -> dict:
+    return {"momentum": (tuple(param.shape), tuple(local(param).shape))}
+
+
+def work_ranks(layout: MatrixLayout, group: dict, replicas: int) -> int:
     """How many ranks share a bucket's Newton–Schulz work: the ranks of the axes splitting the matrix
     with orthogonalize="full" (`full_polar`). The replicate axis never splits it: each replica
     orthogonalizes its own momentum."""
@@ -102,60 +103,81 @@ def work_split(layout: MatrixLayout, group: dict, replicas: int) -> int:
     return math.prod(len(layout.axis_parts(name)) for name in layout.row_axes + layout.col_axes)
 
 
-def _direction(grads, states, group: dict, layout: MatrixLayout, shard: Axis, tensor: Axis):
-    """The polar direction U (k, m_i, n_j) of the new momentum, which is written back to the state
-    first, so that only U's working copy outlives Newton–Schulz. With orthogonalize="shard" polar
-    runs on the local block; with "full" on whole matrices (a generator of collectives)."""
+def options(group: dict) -> dict:
+    """The step's keyword arguments; `polar`: polar with the group's Newton–Schulz steps, dtype (None:
+    bf16 on CUDA, fp32 elsewhere) and `compile` option."""
+    ns_dtype = getattr(torch, group["ns_dtype"]) if group["ns_dtype"] else None
+    return {"lr": group["lr"], "weight_decay": group["weight_decay"], "momentum": group["momentum"],
+            "nesterov": group["nesterov"], "orthogonalize": group["orthogonalize"],
+            "wire_dtype": getattr(torch, group["wire_dtype"]),
+            "polar": functools.partial(polar, steps=group["ns_steps"], dtype=ns_dtype, compile=group["compile"]),
+            "post_polar": group.get("post_polar", False), "lr_scale": group.get("lr_scale", "none")}
+
+
+def direction(grads, states, *, layout: MatrixLayout, axes, momentum: float, nesterov: bool, orthogonalize: str,
+              polar, wire_dtype: torch.dtype):
+    """The polar direction U (k, m_i, n_j) of the new momentum M ← β·M + (1−β)·G, which is written
+    back to the state first, so that only U's working copy outlives Newton–Schulz. With
+    orthogonalize="shard" polar runs on the local block; with "full" on whole matrices (a
+    generator of collectives)."""
     dtype = compute_dtype(grads[0].dtype)
     M = stack_as([s["momentum"] for s in states], dtype)
-    beta = group["momentum"]
-    for momentum, grad in zip(M, grads):
-        momentum.lerp_(grad.to(dtype), 1 - beta)
-    for state, momentum in zip(states, M):
-        state["momentum"].copy_(momentum)
-    if group["nesterov"]:
-        for momentum, grad in zip(M, grads):          # U-input (1−β)·G + β·M, in M's memory
-            momentum.lerp_(grad.to(dtype), 1 - beta)
-    if group["orthogonalize"] == "full":
-        return (yield from full_polar(M, polar_stages(layout, shard, tensor), _polar(group),
-                                      getattr(torch, group["wire_dtype"])))
-    return _polar(group)(M)
+    for buffer, grad in zip(M, grads):
+        buffer.lerp_(grad.to(dtype), 1 - momentum)
+    for state, buffer in zip(states, M):
+        state["momentum"].copy_(buffer)
+    if nesterov:
+        for buffer, grad in zip(M, grads):          # U-input (1−β)·G + β·M, in M's memory
+            buffer.lerp_(grad.to(dtype), 1 - momentum)
+    if orthogonalize == "full":
+        return (yield from full_polar(M, polar_stages(layout, axes.shard, axes.tensor), polar, wire_dtype))
+    return polar(M)
 
 
-def _apply(params, update, group: dict, scale: float) -> None:
+def apply(params, update, *, lr: float, weight_decay: float, scale: float) -> None:
     """X ← (1 − lr·wd)·X − lr·scale·update, matrix by matrix (update: (k, m_i, n), any dtype)."""
-    lr = group["lr"]
     for param, matrix in zip(params, update):
-        param.mul_(1 - lr * group["weight_decay"]).add_(matrix.to(param.dtype), alpha=-lr * scale)
+        param.mul_(1 - lr * weight_decay).add_(matrix.to(param.dtype), alpha=-lr * scale)
 
 
-def voted_direction(grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int,
-                    tensor: Axis):
-    """The voted ±1/0 direction (k, m_i, n_j) as int8 (a generator); the new momentum is in the states."""
-    U = yield from _direction(grads, states, group, layout, shard, tensor)
-    positive = (U >= 0).reshape(-1)
+def step(params, grads, states, *, layout: MatrixLayout, exchange: Vote, axes, seed: int, lr: float,
+         weight_decay: float, post_polar: bool, lr_scale: str, polar, **direction_options):
+    """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place), the
+    equations of the module docstring; a generator that yields each collective (schedule.overlap)."""
+    U = yield from direction(grads, states, layout=layout, axes=axes, polar=polar, **direction_options)
     shape = U.shape
+    positive = positive_signs(U).reshape(-1)
     del U
-    fmt = resolve_vote(group["vote"], positive.numel(), replicate.size)
-    return (yield from vote_exchange(positive, replicate, fmt, seed)).view(shape)
+    V = (yield from exchange.signs(positive, axes.replicate, seed)).view(shape)
+    update = polar(V.to(compute_dtype(params[0].dtype))) if post_polar else V
+    apply(params, update, lr=lr, weight_decay=weight_decay, scale=1.0 if lr_scale == "none" else 1 / math.sqrt(layout.shape[1]))
 
 
-def step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int,
-         tensor: Axis):
-    """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place).
-    A generator that yields each collective (schedule.overlap runs it). The layout says which of
-    `shard` and `tensor` split the matrices (a whole matrix joins neither's collectives)."""
-    V = yield from voted_direction(grads, states, group, layout, replicate, shard, seed, tensor)
-    update = _polar(group)(V.to(compute_dtype(params[0].dtype))) if group["post_polar"] else V
-    m, n = layout.shape
-    scale = 1.0 if group["lr_scale"] == "none" else 1 / math.sqrt(n)
-    _apply(params, update, group, scale)
-
-
-def muon_step(params, grads, states, group: dict, layout: MatrixLayout, replicate: Axis, shard: Axis, seed: int,
-              tensor: Axis):
+def muon_step(params, grads, states, *, layout: MatrixLayout, exchange: Mean, axes, seed: int, lr: float,
+              weight_decay: float, post_polar: bool, lr_scale: str, **direction_options):
     """One Muon step (baseline): full-precision gradient mean, then polar of the momentum (a generator)."""
-    G = yield replicate.all_reduce(stack_as(grads, compute_dtype(grads[0].dtype)), "mean", async_op=True)
-    U = yield from _direction(list(G), states, group, layout, shard, tensor)
+    G = yield from exchange.stacked(grads, compute_dtype(grads[0].dtype), axes.replicate)
+    U = yield from direction(list(G), states, layout=layout, axes=axes, **direction_options)
     m, n = layout.shape
-    _apply(params, U, group, math.sqrt(max(1.0, m / n)))
+    apply(params, U, lr=lr, weight_decay=weight_decay, scale=math.sqrt(max(1.0, m / n)))
+
+
+_MUON_KEYS = {"lr": H.LR, "weight_decay": H.WEIGHT_DECAY, "momentum": H.MOMENTUM, "nesterov": H.NESTEROV,
+              "ns_steps": H.NS_STEPS, "ns_dtype": H.NS_DTYPE}
+_MATRIX_KEYS = {"orthogonalize": H.ORTHOGONALIZE_KEY, "wire_dtype": H.WIRE_DTYPE, "state_dtype": H.STATE_DTYPE,
+                "compile": H.COMPILE, "split": H.SPLIT}
+_COMMON = dict(matrix=True, state_keys=("momentum",), init_state=init_state, state_shapes=state_shapes,
+               options=options, decoupled_momentum="momentum", work_ranks=work_ranks)
+
+SIGN_MUON = Algorithm(
+    name="signmuon", step=step,
+    hyperparameters={**_MUON_KEYS, "post_polar": H.POST_POLAR, "lr_scale": H.LR_SCALE, "vote": H.VOTE,
+                     **_MATRIX_KEYS},
+    plan_keys=("vote", "orthogonalize", "split"),
+    exchange=lambda group, layout, numel, replicas: Vote(vote_format(group["vote"], numel, replicas)),
+    describe_exchange=lambda group: f"1-bit vote ({group['vote']})", **_COMMON)
+
+MUON = Algorithm(
+    name="muon", step=muon_step, hyperparameters={**_MUON_KEYS, **_MATRIX_KEYS},
+    plan_keys=("orthogonalize", "split"), exchange=lambda group, layout, numel, replicas: MEAN,
+    describe_exchange=lambda group: "full-precision gradient mean", **_COMMON)

@@ -1,83 +1,34 @@
-"""Replicate-axis bytes per step, from the same formulas the communication layer counts with.
+"""Bytes per step on the replicate axis: the step's own code, run against counting axes on meta tensors.
 
-One rank's bytes sent on the replicate axis for one optimizer step, per bucket of matrices or per
-element-wise group (M replicas; F ranks on the innermost axis splitting Dion's b side — the shard
-axis under FSDP2, the tensor axis under tensor parallelism `Shard(1)` alone; this rank's block of
-B is a_i × b_j, a_i = a unless an axis splits a; `collective_bytes` is the ring formula of comm.py):
+`group_bytes` plans a param group as the optimizer does (plan.py: the buckets, each bucket's
+exchange at that replica count) and runs each bucket's step (or the element-wise group's) on meta
+copies of the local params, gradients and state, with `comm.CountingAxis` for the replicate, shard
+and tensor axes: every collective is counted exactly as `comm.Axis` counts it and nothing moves or
+computes. So `describe()`, `replicate_bytes_per_step()` and `param_groups(verbose=True)` are the
+bytes that the step sends, by construction: a new branch in a step cannot disagree with them (the
+tests keep one independent formula, tests/reference.py, and compare it with measured comm_stats()).
 
-| algorithm | exchange | bytes |
-|---|---|---|
-| "dion", compressed, a whole | P (k, a/F, r), R (k, b_j, r) averaged in `wire_dtype` | AR(k·⌈a/F⌉·r·w) + AR(k·b_j·r·w) ¹ |
-| "dion", compressed, a split | P (k, a_i, r), R (k, b_j, r) averaged in `wire_dtype` | AR(k·a_i·r·w) + AR(k·b_j·r·w) |
-| "dion", fallback / "muon" | gradient mean in the compute dtype (≥ fp32) | AR(k·m_i·n_j·4) |
-| "signmuon" | 1-bit (or int8) vote on k·m_i·n_j signs | vote_bytes(format, k·m_i·n_j, M) |
-| "adamw" | gradient mean, one flat buffer per dtype | AR(n·itemsize) |
-| "lion" | vote on the n signs, one flat vote per dtype | vote_bytes(format, n, M) |
-
-plus, once per step, the non-finite check: AR(4); and at step 1 and every N =
-`double_averaging_check_every` steps after, the double-averaging check: AR(24) (3 int64), and AR(2)
-on each other agreement axis (a shard axis of F ranks: 2·2·(F−1)/F). AR(x) = 2·x·(M−1)/M. `group_bytes` applies
-these to a param group's buckets as the optimizer forms them (buckets.capped_buckets, under
-`bucket_bytes`), so a measured `comm_stats()` equals them exactly (every param with a gradient).
-A bucket holds matrices (shardopt/matrices.py): a 3-D expert stack counts its local experts, a
-`split` param its blocks, each with its own layout (m_i, n, r, a, b_i are the matrix's).
-¹ The k_s = k − k mod (F·M) matrices whose orthonormalization is split over the ranks send P as
-a reduce-scatter plus an all-gather of whole matrices, AR(k_s/F·a·r·w): the same bytes when F
-divides a (no padding), fewer otherwise.
+The step's other collectives have their formulas beside the code that issues them: once per step
+the non-finite check, AR(4); at step 1 and every N = `double_averaging_check_every` steps after,
+the double-averaging check, AR(24) (3 int64), and AR(2) on each other agreement axis. AR(x) =
+2·x·(M−1)/M (comm.collective_bytes).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .comm import collective_bytes
-from .dion import compressed, oriented_axes, oriented_block, oriented_shape, rank_of, work_split
-from .hyperparams import MATRIX_ALGORITHMS
-from .signmuon import work_split as signmuon_work_split
-from .buckets import DEFAULT_BUCKET_BYTES, capped_buckets
-from .placement import MatrixLayout, local
-from .signs import padded_length
-from .vote import resolve_vote, vote_bytes
+from .buckets import DEFAULT_BUCKET_BYTES
+from .comm import Axes, Axis, CountingAxis, collective_bytes
+from .hyperparams import state_dtype
+from .placement import derive_meshes, local
+from .plan import group_steps, plan_group
+from .registry import algorithm
+from .schedule import overlap
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
-
-
-def matrix_bucket_bytes(group: dict, layout: MatrixLayout, count: int, dtype: torch.dtype, replicas: int) -> int:
-    """Replicate-axis bytes of one bucket of `count` same-layout matrices of `group`."""
-    local_entries = count * layout.rows * layout.cols
-    compute_itemsize = _itemsize(torch.promote_types(dtype, torch.float32))
-    algorithm = group["algorithm"]
-    if algorithm == "signmuon":
-        return vote_bytes(resolve_vote(group["vote"], local_entries, replicas), local_entries, replicas)
-    if algorithm == "dion" and compressed(layout, group):
-        a, _ = oriented_shape(layout)
-        r = rank_of(layout, group)
-        (_, a_local), (_, b_local) = oriented_block(layout)
-        wire = _itemsize(getattr(torch, group["wire_dtype"]))
-        a_axes, b_axes = oriented_axes(layout)
-        if a_axes:
-            return (collective_bytes("all_reduce", count * a_local * r * wire, replicas)
-                    + collective_bytes("all_reduce", count * b_local * r * wire, replicas))
-        shard_size = len(layout.axis_parts(b_axes[-1])) if b_axes else 1
-        a_piece = padded_length(a, shard_size) // shard_size
-        split = count - count % (shard_size * replicas)   # matrices whose orthonormalization is split:
-        return (collective_bytes("all_reduce", split // shard_size * a * r * wire, replicas)   # RS + AG
-                + collective_bytes("all_reduce", (count - split) * a_piece * r * wire, replicas)
-                + collective_bytes("all_reduce", count * b_local * r * wire, replicas))
-    return collective_bytes("all_reduce", local_entries * compute_itemsize, replicas)   # dion fallback, muon
-
-
-def elementwise_group_bytes(group: dict, numel_by_dtype: dict, replicas: int) -> int:
-    """Replicate-axis bytes of an "adamw" or "lion" group holding numel_by_dtype[dtype] entries."""
-    total = 0
-    for dtype, numel in numel_by_dtype.items():
-        if group["algorithm"] == "lion":
-            total += vote_bytes(resolve_vote(group["vote"], numel, replicas), numel, replicas)
-        else:
-            total += collective_bytes("all_reduce", numel * _itemsize(dtype), replicas)
-    return total
 
 
 def nonfinite_check_bytes(replicas: int) -> int:
@@ -92,11 +43,6 @@ def double_averaging_checked(step: int, every: int) -> bool:
     """Whether step `step` (1, 2, …) runs the double-averaging check: steps 1, 1+every, 1+2·every, …
     (never with every = 0)."""
     return every > 0 and (step - 1) % every == 0
-
-
-def double_averaging_checks(steps: int, every: int = DOUBLE_AVERAGING_CHECK_EVERY) -> int:
-    """How many of the steps 1 … `steps` run the double-averaging check."""
-    return -(-steps // every) if every > 0 else 0
 
 
 def double_averaging_check_bytes(replicas: int, axis_size: int | None = None) -> int:
@@ -115,27 +61,43 @@ def allreduce_bytes(numel: int, dtype: torch.dtype, replicas: int) -> int:
     return collective_bytes("all_reduce", numel * _itemsize(dtype), replicas)
 
 
-def group_bytes(group: dict, replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """Replicate-axis bytes one rank sends per step for a param group (with every key of DEFAULTS)."""
+def model_axes(groups: list[dict]) -> tuple[Axis, Axis]:
+    """The shard and tensor axes the params' placements imply (placement.derive_meshes)."""
+    labeled = [(p, f"#{i}") for i, p in enumerate(p for group in groups for p in group["params"])]
+    _, shard_mesh, tensor_mesh = derive_meshes(labeled, None, None, None)
+    return Axis("shard", shard_mesh), Axis("tensor", tensor_mesh)
+
+
+def _meta(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty_like(local(tensor), dtype=dtype, device="meta")
+
+
+def group_bytes(group: dict, replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, shard: Axis | None = None,
+                tensor: Axis | None = None) -> int:
+    """Replicate-axis bytes one rank sends per step for a param group (with every key of the
+    registry's defaults), every param with a gradient, at `replicas` replicas; shard, tensor: this
+    rank's axes (default: those the params' placements imply)."""
+    record = algorithm(group["algorithm"])
     params = group["params"]
-    if group["algorithm"] in MATRIX_ALGORITHMS:
-        split = work_split if group["algorithm"] == "dion" else signmuon_work_split
-        return sum(matrix_bucket_bytes(group, layout, len(bucket), dtype, replicas)
-                   for layout, dtype, bucket in capped_buckets(params, group, bucket_bytes,
-                                                               lambda layout: split(layout, group, replicas)))
-    numel: dict = {}
-    for param in params:
-        numel[param.dtype] = numel.get(param.dtype, 0) + local(param).numel()
-    return elementwise_group_bytes(group, numel, replicas)
-
-
-EXCHANGE = {"dion": lambda g: f"rank_fraction {g['rank_fraction']:g}, {g['wire_dtype']} factors",
-            "signmuon": lambda g: f"1-bit vote ({g['vote']})", "lion": lambda g: f"1-bit vote ({g['vote']})",
-            "adamw": lambda g: "full-precision gradient mean", "muon": lambda g: "full-precision gradient mean"}
+    if not params:
+        return 0
+    if shard is None or tensor is None:
+        shard, tensor = model_axes([group])
+    axes = Axes(CountingAxis("replicate", replicas), CountingAxis("shard", shard.size, shard.rank),
+                CountingAxis("tensor", tensor.size, tensor.rank))
+    plan = plan_group(record, group, params, replicas, bucket_bytes, lambda param: 0)
+    copies = {param: _meta(param) for param in params}
+    states = {param: {**{key: torch.empty(local_shape, dtype=state_dtype(group, param), device="meta")
+                         for key, (_, local_shape) in record.state_shapes(param, group).items()},
+                      "step": torch.tensor(1.0)} for param in params}
+    overlap(group_steps(record, group, plan, copies.__getitem__, lambda param: _meta(param), states.__getitem__, axes,
+                        lambda seed, param: seed))
+    return axes.replicate.bytes_sent
 
 
 def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clipping: bool = False,
-             double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY) -> str:
+             double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY, shard: Axis | None = None,
+             tensor: Axis | None = None) -> str:
     """One line per group (algorithm, tensors, elements, replicate-axis bytes per step on this rank),
     then the whole model (the non-finite check and, with `clipping`, the agreed clip norm — one float
     all-reduced each — included) against a float32 all-reduce of every parameter, then (with more than
@@ -143,11 +105,11 @@ def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCK
     lines, numel_total = [], 0
     total = nonfinite_check_bytes(replicas) * (2 if clipping else 1)
     for group in groups:
-        sent = group_bytes(group, replicas, bucket_bytes)
+        sent = group_bytes(group, replicas, bucket_bytes, shard, tensor)
         numel = sum(local(p).numel() for p in group["params"])
         total, numel_total = total + sent, numel_total + numel
         lines.append(f"shardopt: {group['algorithm']:>8}: {len(group['params'])} tensors, {numel:,} elements, "
-                     f"{sent:,} B/step ({EXCHANGE[group['algorithm']](group)})")
+                     f"{sent:,} B/step ({algorithm(group['algorithm']).describe_exchange(group)})")
     baseline = allreduce_bytes(numel_total, torch.float32, replicas)
     ratio = f"1/{baseline / total:.1f} of" if total else "vs"
     lines.append(f"shardopt: whole model, {replicas} replicas: {total:,} B/step on the replicate axis per rank, "

@@ -26,11 +26,8 @@ from __future__ import annotations
 import torch
 
 from .comm import Axis, collective_bytes
-from .schedule import complete
 from .signs import as_signs, count_positive, majority, pack_signs, padded_length, unpack_signs
 
-VOTE_FORMATS = ("allreduce_int8", "allgather_1bit", "alltoall_1bit")
-VOTES = VOTE_FORMATS + ("auto",)
 
 
 def _int_wire_dtype(voters: int) -> torch.dtype:
@@ -41,31 +38,11 @@ def _int_wire_dtype(voters: int) -> torch.dtype:
     return torch.float16 if voters <= 2048 else torch.int32
 
 
-def vote_bytes(vote: str, n: int, voters: int) -> int:
-    """Bytes one replica sends for a vote on n entries among `voters` replicas (padding included)."""
-    if vote == "allreduce_int8":
-        itemsize = torch.empty(0, dtype=_int_wire_dtype(voters)).element_size()
-        return collective_bytes("all_reduce", n * itemsize, voters)
-    if vote == "allgather_1bit":
-        return collective_bytes("all_gather", padded_length(n, 8) // 8, voters)
-    if vote == "alltoall_1bit":
-        packed = padded_length(n, 8 * voters) // 8
-        return collective_bytes("all_to_all", packed, voters) + collective_bytes("all_gather", packed // voters, voters)
-    raise ValueError(f"vote must be one of {VOTES}, got {vote!r}")
-
-
-def resolve_vote(vote: str, n: int, voters: int) -> str:
-    """The format to use: `vote` itself, or for "auto" the one with fewest bytes (ties: fewer calls)."""
-    if vote not in VOTES:
-        raise ValueError(f"vote must be one of {VOTES}, got {vote!r}")
-    if vote != "auto":
-        return vote
-    calls = {"allreduce_int8": 1, "allgather_1bit": 1, "alltoall_1bit": 2}
-    return min(VOTE_FORMATS, key=lambda f: (vote_bytes(f, n, voters), calls[f]))
-
-
 def coin(n: int, seed: int, device: torch.device) -> torch.Tensor:
-    """n fair ±1 coins (int8) from `seed`; identical on every replica that passes the same seed."""
+    """n fair ±1 coins (int8) from `seed`; identical on every replica that passes the same seed
+    (on the meta device: their shape only)."""
+    if device.type == "meta":
+        return torch.empty(n, dtype=torch.int8, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     return torch.randint(0, 2, (n,), generator=generator, device=device, dtype=torch.int8).mul_(2).sub_(1)
 
@@ -90,24 +67,44 @@ def abstain_seed(seed: int) -> int:
     return (seed * 6364136223846793005 + 1442695040888963407) % 2**63
 
 
-def vote(positive: torch.Tensor, axis: Axis, fmt: str, seed: int, abstain: torch.Tensor | None = None) -> torch.Tensor:
-    """V = sign(Σ_replicas sᵢ) for a flat bool tensor `positive` (n,). Returns int8 (n,) in {−1, 0, +1}.
-
-    `fmt` is a resolved format (not "auto"); `seed` must be equal on all replicas
-    (it seeds the tie-breaking coins of the 1-bit formats). `abstain` (bool (n,), optional):
-    entries where this replica's sᵢ is 0 (see the module docstring).
-    """
-    return complete(vote_exchange(positive, axis, fmt, seed, abstain))
+def _with_abstentions(positive: torch.Tensor, abstain: torch.Tensor | None, seed: int) -> torch.Tensor:
+    """A 1-bit format cannot carry a zero: where this replica abstains it sends its own coin
+    (reusing the tie coin would let an abstainer decide every tie)."""
+    if abstain is None:
+        return positive
+    return torch.where(abstain, coin(positive.numel(), abstain_seed(seed), positive.device) > 0, positive)
 
 
-def vote_exchange(positive: torch.Tensor, axis: Axis, fmt: str, seed: int, abstain: torch.Tensor | None = None):
-    """`vote` as a generator of collectives, for schedule.overlap.
+class VoteFormat:
+    """A wire format of the vote: `bytes(n, voters)` one replica sends for n entries, and
+    `exchange(positive, axis, seed, abstain)`, the vote as a generator of collectives (schedule.py)
+    that returns V = sign(Σ_replicas sᵢ) as int8 (n,) in {−1, 0, +1}. `positive`: flat bool (n,);
+    `seed`: equal on all replicas (the tie coins); `abstain`: bool (n,) or None, entries where this
+    replica's sᵢ is 0. Working memory per entry: a few bytes, never int64 and never an (M × n)
+    unpacked tensor (gathered bits are counted one replica's row at a time)."""
 
-    Working memory per entry: a few bytes (bool/int8/uint8 counts), never int64 and never an
-    (M × n) unpacked tensor: gathered bits are counted one replica's row at a time."""
-    n = positive.numel()
-    voters = axis.size
-    if voters == 1 or fmt == "allreduce_int8":
+    name = ""
+    calls = 1   # collectives per vote (ties of `bytes` go to fewer calls)
+
+    def bytes(self, n: int, voters: int) -> int:
+        raise NotImplementedError
+
+    def exchange(self, positive: torch.Tensor, axis: Axis, seed: int, abstain: torch.Tensor | None = None):
+        raise NotImplementedError
+
+
+class AllreduceInt8(VoteFormat):
+    """Ring all-reduce SUM of ±1/0 int8 (a 2-byte type beyond 127 voters); carries a zero, so a tie
+    and an abstention vote 0."""
+
+    name = "allreduce_int8"
+
+    def bytes(self, n: int, voters: int) -> int:
+        itemsize = torch.empty(0, dtype=_int_wire_dtype(voters)).element_size()
+        return collective_bytes("all_reduce", n * itemsize, voters)
+
+    def exchange(self, positive, axis, seed, abstain=None):
+        voters = axis.size
         signs = as_signs(positive, torch.int8 if voters == 1 else _int_wire_dtype(voters))
         if abstain is not None:
             signs.masked_fill_(abstain, 0)
@@ -115,19 +112,74 @@ def vote_exchange(positive: torch.Tensor, axis: Axis, fmt: str, seed: int, absta
             return signs
         total = yield axis.all_reduce(signs, "sum", async_op=True)
         return torch.sign(total).to(torch.int8)
-    if abstain is not None:   # its own coin: reusing the tie coin would let an abstainer decide every tie
-        positive = torch.where(abstain, coin(n, abstain_seed(seed), positive.device) > 0, positive)
-    even = voters % 2 == 0
-    if fmt == "allgather_1bit":
+
+
+class AllgatherOneBit(VoteFormat):
+    """All-gather of the packed bits; every replica counts everything; ties by the shared coins."""
+
+    name = "allgather_1bit"
+
+    def bytes(self, n: int, voters: int) -> int:
+        return collective_bytes("all_gather", padded_length(n, 8) // 8, voters)
+
+    def exchange(self, positive, axis, seed, abstain=None):
+        if axis.size == 1:
+            return (yield from ALLREDUCE_INT8.exchange(positive, axis, seed, abstain))
+        n, voters = positive.numel(), axis.size
+        positive = _with_abstentions(positive, abstain, seed)
         gathered = yield axis.all_gather(pack_signs(positive), async_op=True)   # (M, ceil(n/8))
-        tie_break = tie_coins(n, seed, voters, None, positive.device) if even else None
+        tie_break = tie_coins(n, seed, voters, None, positive.device) if voters % 2 == 0 else None
         return majority(count_positive(gathered, n), voters, tie_break)
-    if fmt == "alltoall_1bit":
+
+
+class AlltoallOneBit(VoteFormat):
+    """All-to-all of packed chunks to their owners, who count and sign them; all-gather of the
+    packed result: 1/32 of a float32 all-reduce at every replica count."""
+
+    name = "alltoall_1bit"
+    calls = 2
+
+    def bytes(self, n: int, voters: int) -> int:
+        packed = padded_length(n, 8 * voters) // 8
+        return collective_bytes("all_to_all", packed, voters) + collective_bytes("all_gather", packed // voters, voters)
+
+    def exchange(self, positive, axis, seed, abstain=None):
+        if axis.size == 1:
+            return (yield from ALLREDUCE_INT8.exchange(positive, axis, seed, abstain))
+        n, voters = positive.numel(), axis.size
+        positive = _with_abstentions(positive, abstain, seed)
         packed = pack_signs(positive, pad_to=8 * voters)              # (M·c,) c bytes per owner
         chunk = packed.numel() // voters
         received = (yield axis.all_to_all(packed, async_op=True)).view(voters, chunk)   # my chunk from everyone
-        tie_break = tie_coins(n, seed, voters, axis.rank, positive.device) if even else None
+        tie_break = tie_coins(n, seed, voters, axis.rank, positive.device) if voters % 2 == 0 else None
         owned_vote = majority(count_positive(received, 8 * chunk), voters, tie_break) > 0
         result = (yield axis.all_gather(pack_signs(owned_vote), async_op=True)).reshape(-1)   # (M·c,)
         return as_signs(unpack_signs(result, n))
-    raise ValueError(f"vote format must be one of {VOTE_FORMATS}, got {fmt!r}")
+
+
+ALLREDUCE_INT8, ALLGATHER_1BIT, ALLTOALL_1BIT = AllreduceInt8(), AllgatherOneBit(), AlltoallOneBit()
+FORMATS = {fmt.name: fmt for fmt in (ALLREDUCE_INT8, ALLGATHER_1BIT, ALLTOALL_1BIT)}
+VOTE_FORMATS = tuple(FORMATS)
+VOTES = VOTE_FORMATS + ("auto",)
+
+
+def vote_bytes(vote: str, n: int, voters: int) -> int:
+    """Bytes one replica sends for a vote on n entries among `voters` replicas (padding included)."""
+    if vote not in FORMATS:
+        raise ValueError(f"vote must be one of {VOTES}, got {vote!r}")
+    return FORMATS[vote].bytes(n, voters)
+
+
+def vote_format(vote: str, n: int, voters: int) -> VoteFormat:
+    """The format to use for n entries: `vote` itself, or for "auto" the one with fewest bytes at
+    `voters` replicas (ties: fewer calls)."""
+    if vote not in VOTES:
+        raise ValueError(f"vote must be one of {VOTES}, got {vote!r}")
+    if vote != "auto":
+        return FORMATS[vote]
+    return min(FORMATS.values(), key=lambda fmt: (fmt.bytes(n, voters), fmt.calls))
+
+
+def resolve_vote(vote: str, n: int, voters: int) -> str:
+    """The name of `vote_format(vote, n, voters)`."""
+    return vote_format(vote, n, voters).name

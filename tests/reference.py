@@ -64,3 +64,9 @@ def matrix_seed(param_seed: int, index: int) -> int:
     """The seed of matrix `index` of a param (expert·blocks + block) as shardopt documents it:
     (param_seed + index·0x9E3779B97F4A7C15) mod 2⁶³ (matrix 0 keeps the param's seed)."""
     return (param_seed + index * 0x9E3779B97F4A7C15) % 2**63
+
+
+def double_averaging_checks(steps: int, every: int = 1000) -> int:
+    """How many of the steps 1 … `steps` run the double-averaging check (steps 1, 1+every, …; none
+    with every = 0): the schedule docs/design.md §9 and ShardOptimizer document."""
+    return -(-steps // every) if every > 0 else 0

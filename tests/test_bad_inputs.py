@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import shardopt
-from shardopt.optimizer import STATE_KEYS
+from shardopt.registry import algorithm as registered
 
 ALGORITHMS = ("dion", "signmuon", "muon", "adamw", "lion")
 
@@ -223,9 +223,9 @@ def test_a_saved_state_loads_into_a_fresh_optimizer_and_continues_identically(al
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_state_keys_table_matches_what_a_step_creates(algorithm):
-    """load_state_dict checks against STATE_KEYS: it must list exactly the state each algorithm keeps."""
+    """load_state_dict checks against each record's state_keys: they must list exactly the state each algorithm keeps."""
     opt, params = stepped(algorithm)
-    assert all(set(opt.state[p]) == set(STATE_KEYS[algorithm]) | {"step"} for p in params)
+    assert all(set(opt.state[p]) == set(registered(algorithm).state_keys) | {"step"} for p in params)
 
 
 # ---- no host reads added to a step --------------------------------------------------------------------
@@ -234,13 +234,13 @@ READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 
 def _reads_in_one_step(monkeypatch, algorithm, *, check, **options) -> int:
     """How many times a step reads a tensor value back to the host (each would be a device sync on CUDA)."""
-    import shardopt.optimizer as optimizer_module
+    import shardopt.agreement as agreement_module
     opt, params = build(algorithm, **options)
     set_grads(params, 0)
     opt.step()                                   # state created: count a steady-state step
     set_grads(params, 1)
     if not check:
-        monkeypatch.setattr(optimizer_module, "check_gradients", lambda labeled: None)
+        monkeypatch.setattr(agreement_module, "check_gradients", lambda labeled: None)
     count = [0]
     for name in READS:
         original = getattr(torch.Tensor, name)

@@ -20,7 +20,7 @@ from shardopt.checkpoint import load_optimizer_state, save_optimizer_state
 from shardopt.comm import collective_bytes
 from shardopt.lowrank import dion_rank
 from shardopt.placement import dim0_shards, local
-from shardopt.traffic import double_averaging_check_bytes, double_averaging_checks, nonfinite_check_bytes
+from shardopt.traffic import double_averaging_check_bytes, nonfinite_check_bytes
 
 EXPERT_SHAPES = [(3, 12, 8), (5, 6, 10)]     # tall and wide experts; over 4 ranks (1,1,1,0) and (2,2,1,0)
 D, D_KV, N = 8, 4, 8                          # fused QKV: (D + 2·D_KV) × N, split (0, (D, D_KV, D_KV))
@@ -120,7 +120,7 @@ def _run_dion(replicate, shard, tensors, steps=5, rank_fraction=0.5):
         errors.append(((_full(param) - want).norm() / want.norm()).item())
     stats = opt.comm_stats()
     formula = steps * (sum(opt.replicate_bytes_per_step()) + nonfinite_check_bytes(replicate)) \
-        + double_averaging_checks(steps) * double_averaging_check_bytes(replicate)   # step 1's guard
+        + reference.double_averaging_checks(steps) * double_averaging_check_bytes(replicate)   # step 1's guard
     return {"error": max(errors), "replicate_bytes": stats["replicate"]["bytes_sent"], "formula": formula,
             "shard_bytes": stats["shard"]["bytes_sent"], "shard_calls": stats["shard"]["calls"],
             "local_experts": [local(p).shape[0] for p in params if p.ndim == 3],
@@ -154,7 +154,7 @@ def _run_signmuon(replicate, shape=(4, 10, 6), steps=4, beta=0.8):
         ties += int((want == 0).sum())
     stats = opt.comm_stats()["replicate"]["bytes_sent"]
     formula = steps * (sum(opt.replicate_bytes_per_step()) + nonfinite_check_bytes(replicate)) \
-        + double_averaging_checks(steps) * double_averaging_check_bytes(replicate)   # step 1's guard
+        + reference.double_averaging_checks(steps) * double_averaging_check_bytes(replicate)   # step 1's guard
     return {"agreement": agree / total, "ties": ties, "bytes": stats, "formula": formula,
             "consistent": opt.replicas_consistent()}
 
@@ -352,7 +352,7 @@ def _split_traffic(algorithm, steps=2):
         param.grad = _gradient(dist.get_rank(), step, 0, param.shape)
         opt.step()
     formula = steps * (sum(opt.replicate_bytes_per_step()) + nonfinite_check_bytes(2)) \
-        + double_averaging_checks(steps) * double_averaging_check_bytes(2)   # step 1's guard
+        + reference.double_averaging_checks(steps) * double_averaging_check_bytes(2)   # step 1's guard
     return opt.comm_stats()["replicate"]["bytes_sent"], formula, opt.replicas_consistent()
 
 

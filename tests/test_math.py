@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from reference import newton_schulz
-from shardopt.comm import Axis
+from shardopt.comm import Axes, Axis
 from shardopt.elementwise import adamw_update
+from shardopt.exchange import Vote
 from shardopt.lowrank import column_normalize, dion_rank, orthonormalize
+from shardopt.nonmatrix import lion_step
 from shardopt.polar import polar
-from shardopt.scalar import lion_vote_step
 from shardopt.schedule import complete
 from shardopt.signs import majority, pack_signs, padded_length, positive_signs, unpack_signs
+from shardopt.vote import vote_format
 
 A, B, C = 3.4445, -4.7750, 2.0315
 
@@ -302,8 +304,12 @@ def reference_lion(x, g, m, lr, betas, wd):
 
 def lion_on_one_replica(params, grads, exp_avgs, lr, betas, wd, vote="auto"):
     """shardopt's Lion-vote step on a replicate axis of size 1 (no exchange)."""
-    group = {"lr": lr, "betas": betas, "weight_decay": wd, "vote": vote}
-    complete(lion_vote_step(params, grads, exp_avgs, group, Axis("replicate"), seed=0))
+    states = [{"exp_avg": m} for m in exp_avgs]
+    exchanges = {dtype: Vote(vote_format(vote, sum(p.numel() for p in params if p.dtype == dtype), 1))
+                 for dtype in {p.dtype for p in params}}
+    complete(lion_step(params, grads, states, exchanges=exchanges, axes=Axes(Axis("replicate"), Axis("shard"),
+                                                                             Axis("tensor")),
+                       seed=0, lr=lr, betas=betas, weight_decay=wd, epsilon=1e-8))
 
 
 def test_lion_update_matches_hand_written_lion_over_steps():

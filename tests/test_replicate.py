@@ -26,7 +26,8 @@ import reference
 import shardopt
 from shardopt import traffic
 from shardopt.comm import Axis, collective_bytes
-from shardopt.vote import resolve_vote, tie_coins, vote, vote_bytes
+from shardopt.schedule import complete
+from shardopt.vote import FORMATS, resolve_vote, tie_coins, vote_bytes
 from workers import WorkerPool
 
 WORLD_SIZES = [2, 3, 4]
@@ -179,11 +180,11 @@ def _signmuon_run(vote_name, steps=20):
 
 
 def _vote_direct(fmt, n, seed):
-    """vote() on its own: random signs per replica, a known seed; returns V, the signs, the bytes."""
+    """A vote format on its own: random signs per replica, a known seed; returns V, the signs, the bytes."""
     axis = Axis("replicate", dist.group.WORLD)
     generator = torch.Generator().manual_seed(500 + dist.get_rank())
     positive = torch.rand(n, generator=generator) < 0.5
-    V = vote(positive, axis, fmt, seed)
+    V = complete(FORMATS[fmt].exchange(positive, axis, seed))
     return {"V": V, "positive": positive, "stats": axis.stats()}
 
 
@@ -272,7 +273,7 @@ def _check_bytes(M, steps=1):
     one call; step 1 (and every double_averaging_check_every-th after) also all-reduces 3 int64 (the
     double-averaging check), 2(M−1)·24/M bytes, one call."""
     return steps * collective_bytes("all_reduce", 4, M) \
-        + traffic.double_averaging_checks(steps) * traffic.double_averaging_check_bytes(M)
+        + reference.double_averaging_checks(steps) * traffic.double_averaging_check_bytes(M)
 
 
 def _dion_design_bytes(M, rank_fraction, itemsize=8):

@@ -334,7 +334,8 @@ def _vote_temporaries(fmt, n):
     """Every tensor the vote's ops produce on this rank: (op name, dtype, numel)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from shardopt.vote import vote
+    from shardopt.schedule import complete
+    from shardopt.vote import FORMATS
     seen = []
 
     class Record(TorchDispatchMode):
@@ -346,7 +347,7 @@ def _vote_temporaries(fmt, n):
             return out
     positive = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank())) >= 0
     with Record():
-        V = vote(positive, shardopt.comm.Axis("replicate", dist.group.WORLD), fmt, seed=9)
+        V = complete(FORMATS[fmt].exchange(positive, shardopt.comm.Axis("replicate", dist.group.WORLD), seed=9))
     return {"seen": seen, "V": V}
 
 

@@ -144,7 +144,7 @@ def _guard_bytes(axis, sizes, steps):
     """The double-averaging checks of `steps` steps on `axis` (docs/design.md §9): the hashes on the
     replicate axis, the verdict on the others; nothing with one replica."""
     size = None if axis == "replicate" else sizes[axis]
-    return traffic.double_averaging_checks(steps) * traffic.double_averaging_check_bytes(sizes["replicate"], size)
+    return reference.double_averaging_checks(steps) * traffic.double_averaging_check_bytes(sizes["replicate"], size)
 
 
 def _run_dion(case, rank_fraction, steps=10, wire_dtype="float32", pass_meshes=False):

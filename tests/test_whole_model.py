@@ -14,6 +14,7 @@ import torch._dynamo  # noqa: F401  imported once before the pool forks (torch.o
 import torch.distributed as dist
 from torch import nn
 
+import reference
 import shardopt
 from shardopt import traffic
 from workers import WorkerPool
@@ -64,7 +65,7 @@ def _train(matrix_algorithm):
         losses.append(loss.item())
     numel = sum(p.numel() for p in model.parameters())
     formula = sum(opt.replicate_bytes_per_step()) + traffic.nonfinite_check_bytes(2)
-    checks = traffic.double_averaging_checks(STEPS) * traffic.double_averaging_check_bytes(2)   # step 1's
+    checks = reference.double_averaging_checks(STEPS) * traffic.double_averaging_check_bytes(2)   # step 1's
     return {"bytes_per_step": (opt.comm_stats()["replicate"]["bytes_sent"] - checks) / STEPS, "formula": formula,
             "fp32_allreduce": traffic.allreduce_bytes(numel, torch.float32, 2), "losses": losses,
             "consistent": opt.replicas_consistent(), "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),

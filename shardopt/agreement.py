@@ -1,0 +1,122 @@
+"""What every rank must agree on, so that every rank takes the same branch and issues the same
+collectives: at construction, that the ranks hold the same params and settings; before each step,
+whether a gradient is non-finite anywhere (skip or raise), which params have a gradient somewhere,
+and (at scheduled steps) that nobody averaged the gradients already (guard.py). Nothing here
+changes optimizer state: a step that does not pass changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+
+import torch
+
+from .checks import check_gradients
+from .comm import Axis
+from .guard import check_not_double_averaged
+from .placement import local
+from .traffic import double_averaging_checked
+
+logger = logging.getLogger("shardopt")
+
+
+def check_ranks_agree(labeled_params, groups: list[dict], settings: dict, axes, timeout_s: float) -> None:
+    """Every rank of each axis must hold the same parameters (shapes, dtypes, placements) and
+    settings (`settings`: name → int); otherwise the first collective of a step would hang. One
+    small all-gather per axis; ValueError on every rank naming what differs."""
+    description = [f"{label}|{tuple(p.shape)}|{p.dtype}|{getattr(p, 'placements', None)}" for p, label in labeled_params]
+    group_settings = [repr(sorted((k, v) for k, v in g.items() if k not in ("params", "lr"))) for g in groups]
+    fields = {"number of params": len(description),
+              "param shapes/dtypes/placements": zlib.crc32("\n".join(description).encode()),
+              "group settings": zlib.crc32("\n".join(group_settings).encode()), **settings}
+    shown_values = ("number of params", *settings)
+    for axis in axes:
+        per_rank = axis.agree(list(fields.values()), timeout_s)
+        for position, field in enumerate(fields):
+            values = [row[position] for row in per_rank]
+            if len(set(values)) > 1:
+                shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if field in shown_values \
+                    else ", ".join(f"rank {r}: {'same as rank 0' if v == values[0] else 'different'}"
+                                   for r, v in enumerate(values))
+                raise ValueError(f"ranks of the {axis.name} axis disagree on the {field} ({shown}); every rank "
+                                 f"must build the optimizer from the same model and arguments")
+
+
+def gradient_flag(grads: list[torch.Tensor], missing: bool, axes, device) -> int:
+    """max over all ranks of `axes` of: 2 if the rank's `grads` hold a NaN/inf (or a norm that
+    overflows its dtype), else 1 if `missing` (the rank lacks a gradient some param may have
+    elsewhere), else 0. One all-reduce of one float per axis and one device sync."""
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads)).float()
+        flag = torch.where((~torch.isfinite(norms)).any(), 2.0, float(missing)).reshape(1)
+    else:
+        flag = torch.full((1,), float(missing), device=device)
+    for axis in axes:
+        axis.all_reduce(flag, "max")
+    return int(flag.item())
+
+
+class StepAgreement:
+    """The pre-step agreement of one optimizer, with its counters.
+
+    nonfinite: "skip" (the step is skipped on every rank, `skipped_steps` counts it, a warning is
+    logged) or "raise" (FloatingPointError on every rank). double_averaging_check_every: the
+    guard's schedule (steps 1, 1+N, …; 0 never); `steps_called` counts the steps it has seen."""
+
+    def __init__(self, nonfinite: str, double_averaging_check_every: int):
+        self.nonfinite = nonfinite
+        self.double_averaging_check_every = double_averaging_check_every
+        self.steps_called = 0   # steps the double-averaging schedule counted (not raises, not zero-gradient steps)
+        self.skipped_steps = 0
+        self.warned_no_gradients = False
+
+    def stepping(self, params: list, labels: dict, replicate: Axis, param_axes, agreement_axes, device) -> set | None:
+        """Of `params` (in param-group order), those every rank steps now (a gradient on some rank of
+        `param_axes`, the axes whose ranks hold the same params), or None when the step is skipped
+        for a non-finite gradient. labels: param → its name. `agreement_axes`: where the branch is agreed."""
+        check_gradients(labels.items())
+        self._check_not_double_averaged(params, replicate, agreement_axes, device)
+        grads = [local(p.grad) for p in params if p.grad is not None]
+        flag = gradient_flag(grads, len(grads) < len(params), agreement_axes, device)
+        if flag == 2:
+            self._report_nonfinite(params, labels)
+            return None
+        if flag == 0:
+            return set(params)
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
+        for axis in param_axes:                     # (a further agreement axis, e.g. ZeRO's node, may own others)
+            axis.all_reduce(has_grad, "max")
+        stepping = {p for p, anywhere in zip(params, has_grad.tolist()) if anywhere}
+        if not stepping and not self.warned_no_gradients:
+            self.warned_no_gradients = True
+            logger.warning("shardopt: no parameter has a gradient on any rank, so this step changed nothing "
+                           "(said once). Under FSDP2 HSDP, set_requires_all_reduce(False) on a 2-D mesh keeps the "
+                           "gradients inside FSDP2: shard with fully_shard(model, mesh=mesh['shard']) and pass "
+                           "replicate_mesh=mesh['replicate'] (docs/design.md §9)")
+        return stepping
+
+    def _check_not_double_averaged(self, params, replicate: Axis, agreement_axes, device) -> None:
+        """At the scheduled steps (with more than one replica), raise DoubleAveragingError on every
+        rank alike when the replicas' local gradients are bitwise identical (guard.py). Raising, or
+        finding zero/absent gradients everywhere (no evidence: e.g. torch.distributed.checkpoint's
+        state initialization), leaves the count as it was, so the next step is checked again."""
+        step = self.steps_called + 1
+        if replicate.size > 1 and double_averaging_checked(step, self.double_averaging_check_every):
+            grads = [local(p.grad) for p in params if p.grad is not None]
+            others = [axis for axis in agreement_axes if axis is not replicate]
+            if not check_not_double_averaged(grads, replicate, others, device, step):
+                return
+        self.steps_called = step
+
+    def _report_nonfinite(self, params: list, labels: dict) -> None:
+        """Raise (nonfinite="raise") or count and log a skipped step, naming this rank's bad params."""
+        local_bad = [labels[p] for p in params
+                     if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
+        where = f"this rank's params {', '.join(local_bad[:5])}" if local_bad else "another rank"
+        if self.nonfinite == "raise":
+            raise FloatingPointError(f"non-finite gradient (NaN/inf) in {where}; no state was changed "
+                                     f"(nonfinite='raise'; use nonfinite='skip' to skip such steps)")
+        self.skipped_steps += 1
+        logger.warning("shardopt: skipped a step with a non-finite gradient in %s (%d skipped so far)", where,
+                       self.skipped_steps)
