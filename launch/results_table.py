@@ -1,17 +1,19 @@
-"""The README's results tables (markdown), regenerated from the committed CSVs in results/.
+"""The README's summary tables and docs/results.md (every full table), regenerated from the committed
+CSVs in results/.
 
     python launch/results_table.py                       # print the tables of results/*.csv
     python launch/results_table.py results/demo.csv      # print one
-    python launch/results_table.py --readme README.md    # rewrite the README's results section (and the
-                                                         # opening table, from results/comm.csv)
+    python launch/results_table.py --readme README.md    # redraw the README's summary tables and write
+                                                         # docs/results.md beside it, from results/*.csv
 
 results/demo.csv (launch/demo.sh; one row per run as integrations/fsdp/train.py --summary-csv
 writes them) becomes the table of final val loss, replicate-axis bytes per step and wall time;
 bytes are those one rank sends per step on the replicate axis (the slow, between-node links),
 counted by shardopt's communication layer for every optimizer alike, and "vs AdamW" divides
-by the AdamW row of the same file. Any other CSV is shown column for column. In the README the
-tables go between the lines <!-- results:begin --> and <!-- results:end --> (or replace a line
-that reads RESULTS_TABLE, the first time).
+by the AdamW row of the same file. Any other CSV is shown column for column. In the README a table
+goes between the lines <!-- NAME:begin (results/X.csv) --> and <!-- NAME:end -->, drawn from
+results/X.csv by README_BLOCKS[NAME]; docs/results.md holds every CSV's full table with the command
+that reruns it (SOURCES: the one place that names the benchmark commands).
 """
 
 import argparse
@@ -20,8 +22,71 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin (results/comm.csv) -->", "<!-- headline:end -->"
+INF = float("inf")
+
+# results/<name>: (the command that writes it, or a tuple of them run in turn; what its table shows)
+SOURCES = {
+    "demo.csv": ("bash launch/demo.sh",
+                 "The README's first command: the 828k-parameter byte-level GPT on Shakespeare, 300 steps, 4 CPU "
+                 "processes (2 replicas × 2 FSDP2 shards). Bytes: what one rank sends per step on the replicate "
+                 "axis, counted by shardopt's communication layer for every optimizer alike (AdamW's are its "
+                 "float32 gradient all-reduce); every step also carries the non-finite check, one float32 "
+                 "all-reduced per axis."),
+    "comm.csv": ("python launch/bench_comm.py",
+                 "Replicate-axis bytes per step for five models, whole model (every parameter, tied weights once; "
+                 "the formula of `shardopt.traffic`), with ✓ where real gloo runs of the two demo GPTs at 2 and 4 "
+                 "processes counted exactly the formula's bytes and left the replicas identical."),
+    "compile.csv": ("python launch/bench_compile.py",
+                    "Newton–Schulz through `torch.compile` against eager, per stack of matrices (CPU, one thread): "
+                    "why `compile=True` is off by default."),
+    "convergence.csv": ("python launch/bench/convergence.py",
+                        "Equal steps (200, 2 × 2 ranks, the 1.3M-parameter GPT on BPE-4096): every (lr, non-matrix "
+                        "lr) each method ran, its seeds in order; the best by seed 0 marked. The grid was built in "
+                        "parts (docs/benchmarks.md)."),
+    "convergence_best.csv": ("python launch/bench/convergence.py",
+                             "Per method, the (lr, non-matrix lr) with the lowest mean final val loss over the seeds "
+                             "it ran, and the replicate-axis bytes of the whole run."),
+    "deepspeed_zero.csv": ("torchrun --nproc_per_node 4 launch/bench_deepspeed_zero.py",
+                           "The DeepSpeed plugin at ZeRO stages 0, 1 and 2 (CPU, gloo, 4 ranks: 4 replicas, or 2 "
+                           "nodes × 2): optimizer state, gradient, master and weight bytes per rank, bytes per step "
+                           "on each axis, whether the replicas stayed identical, the first and last loss."),
+    "fashion_mnist.csv": ("python launch/bench/fashion_mnist.py",
+                          "Fashion-MNIST test accuracy (a CNN, conv weights as matrices, 2 replicas): every lr each "
+                          "method ran, its seeds in order; the best by seed 0 marked."),
+    "scalar_quality.csv": ("python launch/bench_scalar_quality.py",
+                           "Lion-vote against AdamW for the non-matrix parameters (BPE-4096: the tied embedding/head "
+                           "is 40 % of the 1.3 M parameters; 2 replicas × 2 FSDP2 shards, 200 steps): the best "
+                           "non-matrix lr of four at seed 0, its two seeds, and the ratio to AdamW's val loss."),
+    "scalar_quality_lion_beta2_099.csv": (
+        "python launch/bench_scalar_quality.py --lion-betas 0.9 0.99 --csv results/scalar_quality_lion_beta2_099.csv",
+        "The same with Lion's betas (0.9, 0.99) instead of (0.9, 0.95)."),
+    "slowlink.csv": ("sudo python launch/bench/slowlink.py --lr-from results/convergence.csv",
+                     "Time to target on two emulated nodes, the earlier machine, the link's fixed 256 KiB token "
+                     "bucket (its 10 Mbit/s times of the methods that send ≤ 256 KiB a step are too short: "
+                     "docs/benchmarks.md). The target is `ddp_adamw`'s final val loss without a limit; the ratio "
+                     "is to `ddp_adamw` at the same rate; the step is the median step time."),
+    "slowlink_4ms_bucket.csv": (
+        ("sudo python launch/bench/slowlink.py --lr-from results/convergence.csv --rates 100mbit 10mbit "
+         "--methods ddp_adamw localsgd powersgd_rank1 signmuon_lion --csv results/slowlink_4ms_bucket.csv",
+         "sudo python launch/bench/slowlink.py --lr-from results/convergence.csv --rates 100mbit "
+         "--methods ddp_adamw signmuon dion_1/4 --csv results/slowlink_4ms_bucket.csv"),
+        "The same on the later machine, the token bucket 4 ms of the rate (at least 16 KiB)."),
+    "step_memory.csv": ("python launch/bench_memory.py --llama1b",
+                        "The RSS high-water mark of one step above the steady state, a fresh process per row, one "
+                        "thread."),
+    "step_time.csv": ("python launch/bench_step.py",
+                      "Optimizer step time and state memory per matrix (one GPT-2-small layer's four shapes and "
+                      "2048²), all optimizers in one interleaved run, as ratios to fp32 Muon on the same matrix (CPU "
+                      "compute only, on a 2-core machine shared with other jobs: the ratios mean more than the "
+                      "milliseconds)."),
+}
+RESULTS_HEADER = """# Results
+
+Every table below is drawn from the CSV under `results/` that heads it, by
+`python launch/results_table.py --readme README.md` (which also redraws the README's summary
+tables); do not edit it by hand. How the benchmarks ran and what they found:
+[benchmarks.md](benchmarks.md).
+"""
 
 
 def write_csv(path, rows: list[dict]) -> None:
@@ -32,6 +97,11 @@ def write_csv(path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def human_bytes(count: float) -> str:
@@ -103,15 +173,28 @@ def headline_table(rows: list[dict], replicas: int = 8) -> str:
     return "\n".join(lines)
 
 
+def time_to_target(row: dict | None, baseline: dict | None) -> str:
+    """A slow-link row's time to target and its ratio to `baseline`'s (ddp_adamw at the same rate and
+    process count): "12.0 s (1/75.0)" is 75 times faster, "1800.0 s (2.0×)" twice the time; "never"
+    where it did not reach the target, "–" where it was not measured."""
+    if row is None:
+        return "–"
+    seconds = float(row["time_to_target_s"])
+    if seconds == INF:
+        return "never"
+    ratio = float(baseline["time_to_target_s"]) / seconds if baseline and seconds else None
+    versus = "" if not ratio or row["method"] == "ddp_adamw" else f" (1/{ratio:.1f})" if ratio >= 1 else f" ({1 / ratio:.1f}×)"
+    return f"{seconds:.1f} s{versus}"
+
+
 def slowlink_table(rows: list[dict]) -> str:
     """launch/bench/slowlink.py's rows as one line per (procs per node, method): time to the target at
-    each rate, its ratio to ddp_adamw's at the same rate ("1/k": k times faster, "k×": k times the time)
-    and the median step time
+    each rate, its ratio to ddp_adamw's at the same rate (time_to_target) and the median step time
     there (without a limit: compute only; its growth as the rate falls is the link's share), and the
     largest ratio over the rates of the bytes node 1 put on the link to those one rank counted (1 with
     one process per node; with P, P for shardopt's P replicate groups, 1 for a DDP ring)."""
     rates = sorted({float(r["rate_mbit"]) for r in rows}, reverse=True)
-    label = {rate: "no limit" if rate == float("inf") else f"{rate:g} Mbit/s" for rate in rates}
+    label = {rate: "no limit" if rate == INF else f"{rate:g} Mbit/s" for rate in rates}
     cell = {(r["procs_per_node"], r["method"], float(r["rate_mbit"])): r for r in rows}
     lines = ["| procs/node | method | lr (scalar lr) | final val loss | "
              + " | ".join(f"{label[rate]}: time to target (vs ddp_adamw); step" for rate in rates)
@@ -120,22 +203,29 @@ def slowlink_table(rows: list[dict]) -> str:
     for procs, method in dict.fromkeys((r["procs_per_node"], r["method"]) for r in rows):
         mine = [cell.get((procs, method, rate)) for rate in rates]
         first = next(r for r in mine if r)
-        times = []
-        for rate, row in zip(rates, mine):
-            baseline = cell.get((procs, "ddp_adamw", rate))
-            if row is None:
-                times.append("–")
-                continue
-            seconds = float(row["time_to_target_s"])
-            ratio = float(baseline["time_to_target_s"]) / seconds if baseline and seconds not in (0, float("inf")) else None
-            versus = "" if not ratio or method == "ddp_adamw" else f" (1/{ratio:.1f})" if ratio >= 1 else f" ({1 / ratio:.1f}×)"
-            times.append(("never" if seconds == float("inf") else f"{seconds:.1f} s{versus}")
-                         + f"; {float(row['step_ms']):.0f} ms/step")
+        times = [time_to_target(row, cell.get((procs, "ddp_adamw", rate)))
+                 + (f"; {float(row['step_ms']):.0f} ms/step" if row else "") for rate, row in zip(rates, mine)]
         wire = [float(r["wire_bytes_per_step"]) / float(r["replicate_bytes_per_step"]) for r in mine
                 if r and r["wire_bytes_per_step"] and float(r["replicate_bytes_per_step"])]
         lines.append(f"| {procs} | {method} | {setting_text(first)} | {float(first['final_val_loss']):.3f} | "
                      + " | ".join(times)
                      + (f" | {max(wire):.2f} |" if wire else " | – |"))
+    return "\n".join(lines)
+
+
+def slowlink_summary(rows: list[dict]) -> str:
+    """The README's slow-link table: one line per method, one column per limited rate and process
+    count per node, each cell its time to ddp_adamw's unlimited val loss (time_to_target)."""
+    rates = sorted({float(r["rate_mbit"]) for r in rows} - {INF}, reverse=True)
+    columns = [(rate, procs) for rate in rates for procs in dict.fromkeys(r["procs_per_node"] for r in rows)]
+    cell = {(r["procs_per_node"], r["method"], float(r["rate_mbit"])): r for r in rows}
+    lines = ["| time to ddp_adamw's val loss | " + " | ".join(f"{rate:g} Mbit/s, {procs} per node"
+                                                              for rate, procs in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
+    for method in dict.fromkeys(r["method"] for r in rows):
+        lines.append(f"| {method} | " + " | ".join(time_to_target(cell.get((procs, method, rate)),
+                                                                  cell.get((procs, "ddp_adamw", rate)))
+                                                   for rate, procs in columns) + " |")
     return "\n".join(lines)
 
 
@@ -171,56 +261,83 @@ def plain_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def tables(paths: list[Path]) -> str:
-    parts = []
+def table(rows: list[dict]) -> str:
+    """A CSV's full table, drawn by the function that fits its columns."""
+    render = training_table if rows and {"optimizer", "final_val_loss"} <= set(rows[0]) else \
+        comm_table if rows and "vs_ddp_fp32" in rows[0] else \
+        slowlink_table if rows and "time_to_target_s" in rows[0] else \
+        grid_table if rows and {"method", "lr", "seed"} <= set(rows[0]) else plain_table
+    return render(rows)
+
+
+def shown(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix() if path.resolve().is_relative_to(ROOT) else path.as_posix()
+
+
+def default_csvs() -> list[Path]:
+    """results/*.csv, demo.csv first (the curves are drawn in the PNGs, not tabled)."""
+    return sorted((p for p in (ROOT / "results").glob("*.csv") if not p.name.endswith("_curves.csv")),
+                  key=lambda p: (p.name != "demo.csv", p.name))
+
+
+def results_document(paths: list[Path]) -> str:
+    """docs/results.md: per CSV, what its table shows, the command that reruns it, the table."""
+    missing = [p.name for p in paths if p.name not in SOURCES]
+    if missing:
+        raise SystemExit(f"no command for {', '.join(missing)}: add it to SOURCES in {shown(Path(__file__))}")
+    sections = []
     for path in paths:
-        with path.open() as f:
-            rows = list(csv.DictReader(f))
-        shown = path.relative_to(ROOT).as_posix() if path.resolve().is_relative_to(ROOT) else path.as_posix()
-        render = training_table if rows and {"optimizer", "final_val_loss"} <= set(rows[0]) else \
-            comm_table if rows and "vs_ddp_fp32" in rows[0] else \
-            slowlink_table if rows and "time_to_target_s" in rows[0] else \
-            grid_table if rows and {"method", "lr", "seed"} <= set(rows[0]) else plain_table
-        parts.append(f"<!-- {shown}: python launch/results_table.py {shown} -->\n{render(rows)}")
-    return "\n\n".join(parts)
+        commands, caption = SOURCES[path.name]
+        rerun = ", then ".join(f"`{c}`" for c in ((commands,) if isinstance(commands, str) else commands))
+        sections.append(f"## {shown(path)}\n\n{caption}\n\nRerun: {rerun}\n\n{table(read_csv(path))}\n")
+    return "\n".join([RESULTS_HEADER] + sections)
 
 
-def rewrite_readme(readme: Path, text: str, headline: str | None = None) -> None:
-    """Put `text` between the results markers and, where the README has the headline markers and
-    results/comm.csv exists, `headline` between those."""
-    content = readme.read_text()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in content and END in content:
-        content = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, content, count=1, flags=re.S)
-    elif re.search(r"^RESULTS_TABLE$", content, flags=re.M):
-        content = re.sub(r"^RESULTS_TABLE$", lambda _: block, content, count=1, flags=re.M)
-    else:
-        raise SystemExit(f"{readme}: no {BEGIN} … {END} block and no RESULTS_TABLE line to put the tables in")
-    if headline is not None and HEADLINE_BEGIN in content and HEADLINE_END in content:
-        block = f"{HEADLINE_BEGIN}\n{headline}\n{HEADLINE_END}"
-        content = re.sub(re.escape(HEADLINE_BEGIN) + ".*?" + re.escape(HEADLINE_END), lambda _: block, content,
-                         count=1, flags=re.S)
-    temporary = readme.with_suffix(readme.suffix + ".tmp")
-    temporary.write_text(content)
-    temporary.replace(readme)
+README_BLOCKS = {"headline": headline_table, "demo": training_table, "slowlink": slowlink_summary}
+README_BLOCK = re.compile(r"(<!-- (\w+):begin \((results/[\w./-]+\.csv)\) -->\n).*?(<!-- \2:end -->)", re.S)
+
+
+def readme_with_tables(content: str) -> str:
+    """`content` with every block <!-- NAME:begin (results/X.csv) --> … <!-- NAME:end --> redrawn from
+    results/X.csv by README_BLOCKS[NAME]."""
+    def redraw(match: re.Match) -> str:
+        begin, name, source, end = match.groups()
+        if name not in README_BLOCKS:
+            raise SystemExit(f"README block {name!r}: no such table; known: {', '.join(README_BLOCKS)}")
+        return f"{begin}{README_BLOCKS[name](read_csv(ROOT / source))}\n{end}"
+    redrawn, count = README_BLOCK.subn(redraw, content)
+    if not count:
+        raise SystemExit("the README has no <!-- NAME:begin (results/X.csv) --> … <!-- NAME:end --> block")
+    return redrawn
+
+
+def write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
+
+
+def regenerate(readme: Path, results: Path) -> None:
+    """Redraw `readme`'s summary tables and write `results` (docs/results.md) from results/*.csv."""
+    write_atomically(readme, readme_with_tables(readme.read_text()))
+    write_atomically(results, results_document(default_csvs()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", nargs="*", type=Path, help="default: results/demo.csv, then the other results/*.csv")
-    parser.add_argument("--readme", type=Path, help="rewrite this README's results section instead of printing")
+    parser.add_argument("--readme", type=Path, help="redraw this README's summary tables and write docs/results.md "
+                        "beside it (from every results/*.csv) instead of printing")
     args = parser.parse_args()
-    paths = [p.resolve() for p in args.csv] or sorted(
-        (p for p in (ROOT / "results").glob("*.csv") if not p.name.endswith("_curves.csv")),   # curves: in the PNGs
-        key=lambda p: (p.name != "demo.csv", p.name))
-    text = tables(paths)
     if args.readme:
-        comm = ROOT / "results" / "comm.csv"
-        headline = headline_table(list(csv.DictReader(comm.open()))) if comm.exists() else None
-        rewrite_readme(args.readme, text, headline)
-        print(f"wrote the tables of {len(paths)} CSV file(s) into {args.readme}")
+        if args.csv:
+            parser.error("--readme draws from every results/*.csv; give no CSV with it")
+        results = args.readme.parent / "docs" / "results.md"
+        regenerate(args.readme, results)
+        print(f"redrew the tables of {args.readme} and wrote {results}")
     else:
-        print(text)
+        print("\n\n".join(f"{shown(p)}\n{table(read_csv(p))}" for p in [p.resolve() for p in args.csv] or default_csvs()))
 
 
 if __name__ == "__main__":

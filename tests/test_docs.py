@@ -19,6 +19,29 @@ def test_every_file_the_readme_cites_exists():
     assert not missing, missing
 
 
+def test_every_file_the_docs_cite_exists():
+    """docs/*.md: a link is relative to docs/, a `path` in backticks to the repo root."""
+    missing = []
+    for document in sorted((ROOT / "docs").glob("*.md")):
+        text = document.read_text()
+        links = {document.parent / link for link in re.findall(r"\]\(([^)#\s]+)", text) if not link.startswith("http")}
+        named = {ROOT / path for path in re.findall(r"`((?:docs|launch|integrations|shardopt|tests)/[\w./-]+)`", text)}
+        missing += sorted(f"{document.name}: {path.relative_to(ROOT)}" for path in links | named if not path.exists())
+    assert not missing, missing
+
+
+def test_the_readme_is_short_and_install_is_near_the_top():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; the full tables and the history go to docs/"
+    assert "## Install" in lines[:60], "the ## Install heading is not within the README's first 60 lines"
+
+
+def test_the_readme_s_first_two_commands_are_the_demo_and_the_test_suite():
+    blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+    commands = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+    assert [c for c in commands if c][:2] == ["bash launch/demo.sh", "bash launch/test.sh"]
+
+
 def test_every_design_section_citation_resolves():
     sections = set(re.findall(r"^## (\d+)\. ", (ROOT / "docs" / "design.md").read_text(), re.M))
     citations = {(path.relative_to(ROOT).as_posix(), number) for path in SOURCES

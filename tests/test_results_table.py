@@ -1,7 +1,11 @@
-"""launch/results_table.py: the README's slow-link table is computed from the CSV's rows."""
+"""launch/results_table.py: the README's and docs/results.md's tables are computed from the CSVs' rows, and
+the committed ones are what the committed CSVs give."""
 
+import shutil
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 import results_table  # noqa: E402
@@ -43,3 +47,29 @@ def test_grid_table_and_slowlink_table_show_the_scalar_lr_with_the_lr():
     assert "lr (scalar lr)" in table[0] and table[2] == "| m | 0.001 (0.003): 4.6 · **0.001 (0.03): 4.4** |"
     slow = results_table.slowlink_table([{**_row("ddp_adamw", "inf", "20.0"), "scalar_lr": "0.03"}]).splitlines()
     assert "| 1 | ddp_adamw | 0.001 (0.03) |" in slow[2]
+
+
+def test_slowlink_summary_has_one_column_per_limited_rate_and_process_count():
+    rows = [_row("ddp_adamw", "inf", "20.0"), _row("ddp_adamw", "10", "900.0"), _row("fast", "10", "12.0"),
+            {**_row("ddp_adamw", "10", "1200.0"), "procs_per_node": "2"}, _row("never", "10", "inf")]
+    lines = results_table.slowlink_summary(rows).splitlines()
+    assert lines[0] == "| time to ddp_adamw's val loss | 10 Mbit/s, 1 per node | 10 Mbit/s, 2 per node |"
+    assert lines[2:] == ["| ddp_adamw | 900.0 s | 1200.0 s |", "| fast | 12.0 s (1/75.0) | – |",
+                         "| never | never | – |"]
+
+
+def test_results_document_refuses_a_csv_it_has_no_command_for(tmp_path):
+    path = tmp_path / "new_benchmark.csv"
+    results_table.write_csv(path, [{"method": "m", "value": "1"}])
+    with pytest.raises(SystemExit, match="new_benchmark.csv"):
+        results_table.results_document([path])
+
+
+def test_the_committed_readme_and_results_md_are_what_the_committed_csvs_give(tmp_path):
+    root = results_table.ROOT
+    readme, results = tmp_path / "README.md", tmp_path / "docs" / "results.md"
+    shutil.copy(root / "README.md", readme)
+    results_table.regenerate(readme, results)
+    stale = "is stale: run python launch/results_table.py --readme README.md and commit what it writes"
+    assert readme.read_text() == (root / "README.md").read_text(), f"README.md {stale}"
+    assert results.read_text() == (root / "docs" / "results.md").read_text(), f"docs/results.md {stale}"
