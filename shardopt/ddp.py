@@ -1,5 +1,5 @@
 """Switch off DDP's gradient all-reduce, for frameworks that wrap the model in DDP themselves
-(HF Trainer, Accelerate, Lightning): shardopt exchanges the gradients itself (docs/design.md §11).
+(HF Trainer, Accelerate, Lightning): shardopt exchanges the gradients itself (docs/design.md §5).
 
 DDP's reducer hands each bucket of local gradients to a communication hook and copies what the
 hook's future returns back into the gradients. `keep_local_gradients` installs a hook that returns
@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 
 
-def _local_bucket(state, bucket) -> torch.futures.Future:
-    """The bucket's local gradients, unchanged (DDP comm-hook signature)."""
+def _local_bucket(state, bucket):
+    """The bucket's local gradients, unchanged, in a completed torch.futures.Future (DDP's comm-hook
+    signature; no return annotation: DDP accepts only the object torch.futures.Future[torch.Tensor]
+    there, and `from __future__ import annotations` would make it a string)."""
     future = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
