@@ -23,9 +23,12 @@ def _local_bucket(state, bucket):
 
 def keep_local_gradients(model) -> None:
     """Install the no-exchange communication hook on `model`, a torch DistributedDataParallel
-    (call before the first backward; DDP accepts one hook per model)."""
+    (call before the first backward; DDP accepts one hook per model: a second call on the same
+    model, e.g. from a second Trainer.train(), does nothing)."""
     from torch.nn.parallel import DistributedDataParallel
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"keep_local_gradients takes a torch.nn.parallel.DistributedDataParallel, got "
                         f"{type(model).__name__}; a model that is not DDP-wrapped has no all-reduce to switch off")
-    model.register_comm_hook(None, _local_bucket)
+    if not getattr(model, "_shardopt_local_gradients", False):
+        model.register_comm_hook(None, _local_bucket)
+        model._shardopt_local_gradients = True

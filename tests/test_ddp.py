@@ -16,6 +16,7 @@ def _gradients_stay_local():
     plain.load_state_dict(model.state_dict())
     ddp = DistributedDataParallel(model)
     keep_local_gradients(ddp)
+    keep_local_gradients(ddp)   # a second call does nothing
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
     ddp(x).square().sum().backward()
     plain(x).square().sum().backward()
