@@ -60,12 +60,18 @@ def test_trainer_ddp_docs_block_trains_and_resume_is_bit_exact(tmp_path):
         assert result["resume_weights_equal"] and result["resume_state_equal"]
     assert ranks[0]["weights_hash"] == ranks[1]["weights_hash"]
     assert ranks[0]["grad_hash_step1"] != ranks[1]["grad_hash_step1"]   # each rank kept its own gradient
+    assert ranks[0]["unexchanged_optimizer_error"].startswith(
+        "ValueError: shardopt: Trainer runs 2 data-parallel process(es) but the optimizer exchanges gradients over 1 "
+        "replica(s); build it with replicate_mesh=torch.distributed.group.WORLD")
 
 
 def test_accelerate_docs_block_trains_saves_and_loads(tmp_path):
     ranks = torchrun("accelerate", "Accelerate", tmp_path)
     for result in ranks:
         assert result["model"] == "DistributedDataParallel" and result["consistent"]
+        assert result["bare_model_error"].startswith("TypeError: shardopt.accelerate.attach: Accelerate runs 2 "
+                                                     "processes but the model is a GPT2LMHeadModel")
+        assert result["unexchanged_optimizer_error"].startswith("ValueError: shardopt: Accelerate runs 2")
         assert result["saved_is_synchronized"]            # save_state wrote the averaged momenta
         assert result["optimizer_steps"] == [4, 8]         # the second run loaded step 4 and went on
         for run in result["step_bytes"]:
@@ -139,3 +145,26 @@ def test_shardopt_imports_without_the_frameworks():
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["shardopt.hf needs transformers; install it with pip install 'shardopt[hf]'",
                                         "shardopt.accelerate needs accelerate; install it with pip install 'shardopt[hf]'"]
+
+
+def test_accelerate_one_process_attach_save_and_load(tmp_path):
+    """One process: no DDP to switch off; save_state still goes through the pre-hook, load_state restores; an
+    optimizer that is not shardopt's is refused."""
+    from accelerate import Accelerator
+
+    import shardopt
+    import shardopt.accelerate
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = shardopt.SignMuon(shardopt.param_groups(model, "signmuon", "lion"), lr=0.01)
+    model, opt = accelerator.prepare(model, opt)
+    shardopt.accelerate.attach(accelerator, model, opt)
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    accelerator.save_state(str(tmp_path))
+    saved = {key: value.clone() for key, value in opt.state_dict()["state"][0].items()}
+    opt.optimizer.state.clear()
+    accelerator.load_state(str(tmp_path))
+    assert all(torch.equal(saved[key], opt.state_dict()["state"][0][key]) for key in saved)
+    with pytest.raises(TypeError, match=r"not a shardopt optimizer; pass shardopt.SignMuon\(...\) or"):
+        shardopt.accelerate.attach(accelerator, model, accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1)))

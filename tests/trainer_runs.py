@@ -18,6 +18,7 @@ import torch.distributed as dist
 import shardopt
 from shardopt.frameworks import shardopt_optimizer
 from shardopt.guard import bit_hash
+from shardopt.hf import ShardoptCallback
 
 STEPS = 6   # the straight run; the resumed one restarts from the checkpoint at STEPS // 2
 
@@ -62,8 +63,6 @@ def trainer_run(output_dir: str, resume: str | None = None):
     """STEPS steps of Trainer(optimizers=(SignMuon, LambdaLR)) with a checkpoint every STEPS // 2, Trainer's
     default max_grad_norm (1.0) and gradient accumulation 2; from `resume` if given."""
     from transformers import Trainer, TrainingArguments
-
-    from shardopt.hf import ShardoptCallback
     args = TrainingArguments(output_dir, max_steps=STEPS, save_steps=STEPS // 2, per_device_train_batch_size=4,
                              gradient_accumulation_steps=2, use_cpu=True, report_to="none", disable_tqdm=True)
     model = tiny_gpt2()
@@ -103,6 +102,8 @@ def hf(block: str, out: str) -> dict:
         and all(torch.equal(weights[k], resumed_weights[k]) for k in weights),
         "resume_state_equal": state.keys() == resumed_state.keys() and len(state) > 0
         and all(torch.equal(state[k], resumed_state[k]) for k in state),
+        "unexchanged_optimizer_error": error_of(lambda: ShardoptCallback().on_train_begin(
+            straight.args, straight.state, straight.control, model=model, optimizer=unexchanged_optimizer())),
     }
 
 
@@ -116,7 +117,11 @@ def accelerate(block: str, out: str) -> dict:
                    if isinstance(value, torch.Tensor)}
     second = run_block(block, out)   # finds the checkpoint: loads it and trains on
     second_steps, opt = steps.pop(), shardopt_optimizer(second["opt"], "")
+    attach = second["shardopt"].accelerate.attach
     return {
+        "bare_model_error": error_of(lambda: attach(second["accelerator"], second["model"].module, second["opt"])),
+        "unexchanged_optimizer_error": error_of(lambda: attach(second["accelerator"], second["model"],
+                                                               unexchanged_optimizer())),
         "model": type(second["model"]).__name__,
         "consistent": opt.replicas_consistent(),
         "weights_hash": weights_hash(second["model"]),
@@ -149,6 +154,20 @@ def record_steps() -> list:
     register_optimizer_step_pre_hook(pre)
     register_optimizer_step_post_hook(post)
     return runs
+
+
+def unexchanged_optimizer():
+    """A shardopt optimizer built without replicate_mesh (it exchanges nothing over the processes)."""
+    return shardopt.SignMuon([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.1)
+
+
+def error_of(call) -> str | None:
+    """The message of the exception call() raises (None if it returns)."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the test checks the type through the message
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def weights_hash(model) -> int:
