@@ -96,9 +96,10 @@ class ShardoptCallback(TrainerCallback):
         from torch.nn.parallel import DistributedDataParallel
         wrapper = DistributedDataParallel._get_active_ddp_module()
         if wrapper is None or wrapper.module is not module:
-            raise RuntimeError("ShardoptCallback: Trainer runs several processes but its training forward is not "
-                               "inside torch DistributedDataParallel, so its all-reduce cannot be switched off (a "
-                               "torch.compile'd DDP runs a Python reducer); unset TrainingArguments(torch_compile=True)")
+            raise RuntimeError("ShardoptCallback: Trainer runs several processes but its training forward does not "
+                               "run inside a torch DistributedDataParallel of this model, so no all-reduce can be "
+                               "switched off (a DDP built under torch._dynamo.config.optimize_ddp='python_reducer' "
+                               "does not say it runs; leave that setting at its default)")
         keep_local_gradients(wrapper)
         self._hook.remove()
 
