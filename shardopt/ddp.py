@@ -1,5 +1,5 @@
 """Switch off DDP's gradient all-reduce, for frameworks that wrap the model in DDP themselves
-(HF Trainer, Accelerate, Lightning): shardopt exchanges the gradients itself (docs/design.md §11).
+(HF Trainer, Accelerate, Lightning): shardopt exchanges the gradients itself (docs/design.md §5).
 
 DDP's reducer hands each bucket of local gradients to a communication hook and copies what the
 hook's future returns back into the gradients. `keep_local_gradients` installs a hook that returns
@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 
 
-def _local_bucket(state, bucket) -> torch.futures.Future:
-    """The bucket's local gradients, unchanged (DDP comm-hook signature)."""
+def _local_bucket(state, bucket):
+    """The bucket's local gradients, unchanged, in a completed torch.futures.Future (DDP's comm-hook
+    signature; no return annotation: DDP accepts only the object torch.futures.Future[torch.Tensor]
+    there, and `from __future__ import annotations` would make it a string)."""
     future = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
@@ -21,9 +23,12 @@ def _local_bucket(state, bucket) -> torch.futures.Future:
 
 def keep_local_gradients(model) -> None:
     """Install the no-exchange communication hook on `model`, a torch DistributedDataParallel
-    (call before the first backward; DDP accepts one hook per model)."""
+    (call before the first backward; DDP accepts one hook per model: a second call on the same
+    model, e.g. from a second Trainer.train(), does nothing)."""
     from torch.nn.parallel import DistributedDataParallel
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"keep_local_gradients takes a torch.nn.parallel.DistributedDataParallel, got "
                         f"{type(model).__name__}; a model that is not DDP-wrapped has no all-reduce to switch off")
-    model.register_comm_hook(None, _local_bucket)
+    if not getattr(model, "_shardopt_local_gradients", False):
+        model.register_comm_hook(None, _local_bucket)
+        model._shardopt_local_gradients = True

@@ -1,7 +1,8 @@
 """The double-averaging guard (docs/design.md §9): replicas whose gradients something else already
 averaged (DDP without no_sync(), FSDP2 HSDP's replicate all-reduce, the DeepSpeed engine's
-all-reduce) hold bitwise identical gradients; the optimizer would average them again. One hash per
-rank over its local gradients, compared over the replicate axis with one small all-reduce.
+all-reduce) hold bitwise identical gradients; the optimizer would average them again. Ranks that all
+read the same batches look the same. One hash per rank over its local gradients, compared over the
+replicate axis with one small all-reduce.
 """
 
 from __future__ import annotations
@@ -69,8 +70,13 @@ def check_not_double_averaged(grads: list[torch.Tensor], replicate: Axis, other_
         raise DoubleAveragingError(
             f"shardopt: at step {step} the local gradients of all {replicate.size} replicas are bitwise identical: "
             f"something averaged them over the data-parallel ranks already, and this optimizer would average them "
-            f"again (double averaging: unanimous votes, twice the bytes). shardopt exchanges the gradients itself; "
-            f"turn the other all-reduce off: DDP: run every forward and backward inside model.no_sync(); FSDP2 HSDP: "
+            f"again (double averaging: unanimous votes, twice the bytes), or every rank received the same batches "
+            f"(a data loader not split across ranks: give each rank its own shard, e.g. a DistributedSampler). "
+            f"shardopt exchanges the gradients itself; turn the other all-reduce off: HF Trainer: "
+            f"Trainer(callbacks=[shardopt.hf.ShardoptCallback()]); Accelerate: "
+            f"shardopt.accelerate.attach(accelerator, model, optimizer) after accelerator.prepare; Lightning: "
+            f"Trainer(callbacks=[shardopt.lightning.ShardoptCallback()]); "
+            f"DDP: run every forward and backward inside model.no_sync(); FSDP2 HSDP: "
             f"shard over the shard axis only, fully_shard(model, mesh=mesh['shard']), and pass "
             f"replicate_mesh=mesh['replicate'] (fully_shard on the 2-D mesh all-reduces over the replicate axis "
             f"unless model.set_requires_all_reduce(False)); DeepSpeed: engine.enable_backward_allreduce = False "

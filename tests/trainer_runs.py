@@ -1,0 +1,181 @@
+"""Training runs through HF Trainer and Accelerate, started by tests/test_trainers.py under torchrun:
+
+    torchrun --nproc_per_node 2 tests/trainer_runs.py {hf|accelerate} BLOCK_FILE OUT_DIR
+
+BLOCK_FILE is the docs/trainers.md block of the framework, run as shown (runpy, OUTPUT_DIR set); what it
+built is then inspected here. `hf` also trains N steps straight and N/2 + resume + N/2 through Trainer with
+optimizers=(opt, scheduler). Each rank writes OUT_DIR/result_<rank>.json for the test to check.
+"""
+
+import json
+import os
+import runpy
+import sys
+
+import torch
+import torch.distributed as dist
+
+import shardopt
+from shardopt.frameworks import shardopt_optimizer
+from shardopt.guard import bit_hash
+from shardopt.hf import ShardoptCallback
+
+STEPS = 6   # the straight run; the resumed one restarts from the checkpoint at STEPS // 2
+
+
+def run_block(block: str, output_dir: str) -> dict:
+    """The block's globals after running it with OUTPUT_DIR=output_dir."""
+    os.environ["OUTPUT_DIR"] = output_dir
+    return runpy.run_path(block, run_name="__main__")
+
+
+def flat_state(opt) -> dict:
+    """Every tensor of opt.state_dict(), by '<param index>.<key>'."""
+    return {f"{index}.{key}": value for index, state in opt.state_dict()["state"].items()
+            for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64))
+
+
+def recorder():
+    """A Trainer callback (listed before ShardoptCallback) that records, per optimizer step, the replicate bytes
+    the optimizer sends from before the agreed clip to after the step, and a hash of the local gradients."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.step_bytes, self.grad_hashes = [], []
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
+            self.before = shardopt_optimizer(optimizer, "").comm_stats()["replicate"]["bytes_sent"]
+            self.grad_hashes.append(int(bit_hash(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))))
+
+        def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            self.step_bytes.append(shardopt_optimizer(optimizer, "").comm_stats()["replicate"]["bytes_sent"] - self.before)
+    return Recorder()
+
+
+def trainer_run(output_dir: str, resume: str | None = None):
+    """STEPS steps of Trainer(optimizers=(SignMuon, LambdaLR)) with a checkpoint every STEPS // 2, Trainer's
+    default max_grad_norm (1.0) and gradient accumulation 2; from `resume` if given."""
+    from transformers import Trainer, TrainingArguments
+    args = TrainingArguments(output_dir, max_steps=STEPS, save_steps=STEPS // 2, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, use_cpu=True, report_to="none", disable_tqdm=True)
+    model = tiny_gpt2()
+    opt = shardopt.SignMuon(shardopt.param_groups(model, "signmuon", "lion", scalar_options={"lr": 3e-4}), lr=3e-3,
+                            replicate_mesh=dist.group.WORLD)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + 0.2 * step))
+    tokens = torch.randint(0, 256, (128, 32), generator=torch.Generator().manual_seed(1))
+    record = recorder()
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in tokens],
+                      optimizers=(opt, schedule), callbacks=[record, ShardoptCallback()])
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, model, opt, record
+
+
+def hf(block: str, out: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+    doc = run_block(block, os.path.join(out, "doc"))
+    doc_opt = shardopt_optimizer(doc["trainer"].optimizer, "")
+    straight, model, opt, record = trainer_run(os.path.join(out, "straight"))
+    _, resumed_model, resumed_opt, _ = trainer_run(os.path.join(out, "resumed"),
+                                                   os.path.join(out, "straight", f"checkpoint-{STEPS // 2}"))
+    weights, resumed_weights = model.state_dict(), resumed_model.state_dict()
+    state, resumed_state = flat_state(opt), flat_state(resumed_opt)
+    return {
+        "doc_algorithms": [group["algorithm"] for group in doc_opt.param_groups],
+        "doc_steps": doc["trainer"].state.global_step,
+        "doc_checkpoints": sorted(name for name in os.listdir(os.path.join(out, "doc")) if name.startswith("checkpoint")),
+        "doc_consistent": doc_opt.replicas_consistent(),
+        "ddp": isinstance(straight.model_wrapped, DistributedDataParallel),
+        "trainer_max_grad_norm": straight.args.max_grad_norm,
+        "consistent": opt.replicas_consistent(),
+        "weights_hash": weights_hash(model),
+        "step_bytes": record.step_bytes,
+        "grad_hash_step1": record.grad_hashes[0],
+        "params": sum(p.numel() for p in model.parameters()),
+        "resume_weights_equal": weights.keys() == resumed_weights.keys()
+        and all(torch.equal(weights[k], resumed_weights[k]) for k in weights),
+        "resume_state_equal": state.keys() == resumed_state.keys() and len(state) > 0
+        and all(torch.equal(state[k], resumed_state[k]) for k in state),
+        "unexchanged_optimizer_error": error_of(lambda: ShardoptCallback().on_train_begin(
+            straight.args, straight.state, straight.control, model=model, optimizer=unexchanged_optimizer())),
+    }
+
+
+def accelerate(block: str, out: str) -> dict:
+    steps = record_steps()
+    first = run_block(block, out)
+    first_steps, first_state = steps.pop(), flat_state(first["opt"])
+    dist.barrier()   # rank 0 wrote the checkpoint
+    saved = torch.load(os.path.join(out, "checkpoint", "optimizer.bin"), weights_only=True)
+    saved_state = {f"{index}.{key}": value for index, state in saved["state"].items() for key, value in state.items()
+                   if isinstance(value, torch.Tensor)}
+    second = run_block(block, out)   # finds the checkpoint: loads it and trains on
+    second_steps, opt = steps.pop(), shardopt_optimizer(second["opt"], "")
+    attach = second["shardopt"].accelerate.attach
+    return {
+        "bare_model_error": error_of(lambda: attach(second["accelerator"], second["model"].module, second["opt"])),
+        "unexchanged_optimizer_error": error_of(lambda: attach(second["accelerator"], second["model"],
+                                                               unexchanged_optimizer())),
+        "model": type(second["model"]).__name__,
+        "consistent": opt.replicas_consistent(),
+        "weights_hash": weights_hash(second["model"]),
+        "saved_is_synchronized": first_state.keys() == saved_state.keys()
+        and all(torch.equal(first_state[k], saved_state[k]) for k in first_state),
+        "optimizer_steps": [len(first_steps), int(next(iter(opt.state.values()))["step"])],
+        "step_bytes": [[step["bytes"] for step in run] for run in (first_steps, second_steps)],
+        "grad_hash_step1": first_steps[0]["grad_hash"],
+        "params": sum(p.numel() for p in second["model"].parameters()),
+    }
+
+
+def record_steps() -> list:
+    """A list that gets one list per shardopt optimizer: per step() the replicate bytes it sent (comm_stats) and a
+    hash of the local gradients it read (torch.optim's global step pre/post hooks)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    runs, before = [], {}
+
+    def pre(optimizer, args, kwargs):
+        if isinstance(optimizer, shardopt.ShardOptimizer):
+            if optimizer not in before:
+                runs.append([])
+            grads = [p.grad.reshape(-1) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            before[optimizer] = (optimizer.comm_stats()["replicate"]["bytes_sent"], int(bit_hash(torch.cat(grads))))
+
+    def post(optimizer, args, kwargs):
+        if isinstance(optimizer, shardopt.ShardOptimizer):
+            sent, grad_hash = before[optimizer]
+            runs[-1].append({"bytes": optimizer.comm_stats()["replicate"]["bytes_sent"] - sent, "grad_hash": grad_hash})
+    register_optimizer_step_pre_hook(pre)
+    register_optimizer_step_post_hook(post)
+    return runs
+
+
+def unexchanged_optimizer():
+    """A shardopt optimizer built without replicate_mesh (it exchanges nothing over the processes)."""
+    return shardopt.SignMuon([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.1)
+
+
+def error_of(call) -> str | None:
+    """The message of the exception call() raises (None if it returns)."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the test checks the type through the message
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def weights_hash(model) -> int:
+    return int(bit_hash(torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+
+
+if __name__ == "__main__":
+    scenario, block, out = sys.argv[1:]
+    result = {"hf": hf, "accelerate": accelerate}[scenario](block, out)
+    with open(os.path.join(out, f"result_{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
