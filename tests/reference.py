@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from shardopt.comm import collective_bytes
+
 
 def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """docs/design.md §2 quintic on one float64 matrix: wide orientation, Frobenius-normalized start."""
@@ -70,3 +72,53 @@ def double_averaging_checks(steps: int, every: int = 1000) -> int:
     """How many of the steps 1 … `steps` run the double-averaging check (steps 1, 1+every, …; none
     with every = 0): the schedule docs/design.md §9 and ShardOptimizer document."""
     return -(-steps // every) if every > 0 else 0
+
+
+def dion_bytes(layout, rank_fraction, wire_itemsize, sizes):
+    """The tests' one byte oracle for Dion, written from docs/design.md §1 and §9 (not from the code):
+    bytes one rank sends per axis in one Dion step of one matrix (a bucket of one), fp64 compute (8 B).
+    layout: a shardopt.placement.MatrixLayout; sizes: axis name → size. Orientation B (a×b): rows split
+    ⇒ B = Xᵀ; unsplit, B = Xᵀ when m < n."""
+    m, n = layout.shape
+    transpose = bool(layout.row_axes) or (not layout.col_axes and m < n)
+    a, b = (n, m) if transpose else (m, n)
+    a_i, b_j = (layout.cols, layout.rows) if transpose else (layout.rows, layout.cols)
+    a_axes, b_axes = (layout.col_axes, layout.row_axes) if transpose else (layout.row_axes, layout.col_axes)
+    r = math.ceil(rank_fraction * min(m, n))
+    low_rank = rank_fraction < 1 and (a + b) * r < a * b
+    M = sizes["replicate"]
+    w = wire_itemsize if M > 1 else 8        # what an axis after the replicate mean carries
+    sent = dict.fromkeys(sizes, 0)
+
+    def add(axis, kind, nbytes):
+        sent[axis] += collective_bytes(kind, nbytes, sizes[axis])
+
+    if not low_rank:
+        add("replicate", "all_reduce", layout.rows * layout.cols * 8)                     # G mean
+    if a_axes:                                # P: Σ over b, replicate mean of a_i rows, all-gather over a
+        A = sizes[a_axes[0]]
+        for axis in b_axes:
+            add(axis, "all_reduce", a_i * r * 8)
+        if low_rank:
+            add("replicate", "all_reduce", a_i * r * wire_itemsize)
+        add(a_axes[0], "all_gather", -(-a // A) * r * (w if low_rank else 8))
+        add(a_axes[0], "all_reduce", b_j * r * 8)                                        # R: Σ over a
+    elif not b_axes:                          # a whole matrix: P averaged over the replicas
+        if low_rank:
+            add("replicate", "all_reduce", a * r * wire_itemsize)
+    else:                                     # P: outer b-axis all-reduce, inner b-axis HSDP exchange
+        for axis in b_axes[:-1]:
+            add(axis, "all_reduce", a * r * 8)
+        F = sizes[b_axes[-1]]
+        if low_rank:
+            rows = -(-a // F) * F
+            add(b_axes[-1], "reduce_scatter", rows * r * 8)
+            add("replicate", "all_reduce", rows // F * r * wire_itemsize)
+            add(b_axes[-1], "all_gather", rows // F * r * w)
+        else:
+            add(b_axes[-1], "all_reduce", a * r * 8)
+    if low_rank:
+        add("replicate", "all_reduce", b_j * r * wire_itemsize)                          # R mean
+    for axis in b_axes:
+        add(axis, "all_reduce", r * 8)                                                   # column norms
+    return sent

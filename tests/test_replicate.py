@@ -26,6 +26,7 @@ import reference
 import shardopt
 from shardopt import traffic
 from shardopt.comm import Axis, collective_bytes
+from shardopt.placement import MatrixLayout
 from shardopt.schedule import complete
 from shardopt.vote import FORMATS, resolve_vote, tie_coins, vote_bytes
 from workers import WorkerPool
@@ -277,14 +278,11 @@ def _check_bytes(M, steps=1):
 
 
 def _dion_design_bytes(M, rank_fraction, itemsize=8):
-    """Replicate bytes per step for DION_SHAPES: 2(M−1)/M·(a·r + b·r)·itemsize per matrix when
-    compressed, 2(M−1)/M·a·b·itemsize on the fallback."""
-    total = 0
-    for m, n in DION_SHAPES:
-        r = math.ceil(rank_fraction * min(m, n))
-        words = (m + n) * r if rank_fraction < 1 else m * n
-        total += 2 * (M - 1) * words * itemsize // M
-    return total
+    """Replicate bytes per step for DION_SHAPES, whole matrices at M replicas (reference.dion_bytes):
+    2(M−1)/M·(a·r + b·r)·itemsize per matrix when compressed, 2(M−1)/M·a·b·8 on the fallback."""
+    sizes = {"replicate": M, "shard": 1, "tensor": 1}
+    return sum(reference.dion_bytes(MatrixLayout((m, n), (m,)), rank_fraction, itemsize, sizes)["replicate"]
+               for m, n in DION_SHAPES)
 
 
 def _vote_design_bytes(fmt, n, M):

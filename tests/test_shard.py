@@ -15,7 +15,7 @@ import reference
 import shardopt
 from shardopt import traffic
 from shardopt.comm import collective_bytes
-from shardopt.placement import chunk_rows
+from shardopt.placement import MatrixLayout, chunk_rows
 from workers import WorkerPool
 
 SHAPES = [(24, 16), (16, 40), (18, 64), (3, 64)]   # tall, wide, uneven over 4 (5,5,5,3), empty shard (1,1,1,0)
@@ -149,23 +149,17 @@ def test_fsdp_signmuon_uneven_and_empty_shards_match_reference(pool4, orthogonal
 
 
 def _dion_hsdp_bytes(rank_fraction, wire_itemsize):
-    """docs/design.md §1 byte formulas per rank and axis for one step of _run_dion's matrices at 2×2, fp64
-    (P reduce-scattered in fp64, averaged over replicas and all-gathered in the wire dtype), plus the
-    non-finite check: one all-reduce of one float32 per axis."""
+    """Bytes per rank and axis for one step of _run_dion's matrices at 2×2, fp64 (reference.dion_bytes: P
+    reduce-scattered in fp64, averaged over replicas and all-gathered in the wire dtype; on the replicate
+    axis (a/F + b_i)·r per matrix), plus the non-finite check: one all-reduce of one float32 per axis.
+    Returns (shard bytes, [replicate bytes of shard rank 0, 1])."""
     F = M = 2
-    itemsize = 8
-    shard_bytes = collective_bytes("all_reduce", 4, F)
-    replicate_bytes = [collective_bytes("all_reduce", 4, M)] * F
-    for m, n in SHAPES:
-        a, b = n, m
-        r = shardopt.lowrank.dion_rank(m, n, rank_fraction, 1)
-        rows = -(-a // F) * F
-        shard_bytes += (F - 1) * rows * r * (itemsize + wire_itemsize) // F        # reduce-scatter + all-gather of P
-        shard_bytes += 2 * (F - 1) * r * itemsize // F                           # column norms
-        per_rank = []
-        for b_i in chunk_rows(b, F):
-            per_rank.append(2 * (M - 1) * (rows // F * r + b_i * r) * wire_itemsize // M)   # (a/F + b_i)·r
-        replicate_bytes = [x + y for x, y in zip(replicate_bytes, per_rank)]
+    sizes = {"replicate": M, "shard": F, "tensor": 1}
+    per_rank = [[reference.dion_bytes(MatrixLayout((m, n), chunk_rows(m, F), index, sharded=True), rank_fraction,
+                                      wire_itemsize, sizes) for m, n in SHAPES] for index in range(F)]
+    shard_bytes = collective_bytes("all_reduce", 4, F) + sum(sent["shard"] for sent in per_rank[0])
+    replicate_bytes = [collective_bytes("all_reduce", 4, M) + sum(sent["replicate"] for sent in rank)
+                       for rank in per_rank]
     return shard_bytes, replicate_bytes
 
 

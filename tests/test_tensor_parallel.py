@@ -95,51 +95,6 @@ def _set_local_grads(params, replica, step):
                                         shape=param.shape, stride=param.stride())
 
 
-def _dion_bytes(layout, rank_fraction, wire_itemsize, sizes):
-    """docs/design.md §9: bytes one rank sends per axis in one Dion step of one matrix (a bucket of one),
-    fp64 compute (8 B). sizes: axis → size. Orientation B (a×b): rows split ⇒ B = Xᵀ."""
-    m, n = layout.shape
-    transpose = bool(layout.row_axes) or (not layout.col_axes and m < n)
-    a, b = (n, m) if transpose else (m, n)
-    a_i, b_j = (layout.cols, layout.rows) if transpose else (layout.rows, layout.cols)
-    a_axes, b_axes = (layout.col_axes, layout.row_axes) if transpose else (layout.row_axes, layout.col_axes)
-    r = shardopt.lowrank.dion_rank(m, n, rank_fraction, 1)
-    low_rank = rank_fraction < 1 and (a + b) * r < a * b
-    M = sizes["replicate"]
-    w = wire_itemsize if M > 1 else 8        # what an axis after the replicate mean carries
-    sent = dict.fromkeys(sizes, 0)
-
-    def add(axis, kind, nbytes):
-        sent[axis] += collective_bytes(kind, nbytes, sizes[axis])
-
-    if not low_rank:
-        add("replicate", "all_reduce", layout.rows * layout.cols * 8)                     # G mean
-    if a_axes:                                # P: Σ over b, replicate mean of a_i rows, all-gather over a
-        A = sizes[a_axes[0]]
-        for axis in b_axes:
-            add(axis, "all_reduce", a_i * r * 8)
-        if low_rank:
-            add("replicate", "all_reduce", a_i * r * wire_itemsize)
-        add(a_axes[0], "all_gather", -(-a // A) * r * (w if low_rank else 8))
-        add(a_axes[0], "all_reduce", b_j * r * 8)                                        # R: Σ over a
-    else:                                     # P: outer b-axis all-reduce, inner b-axis HSDP exchange
-        for axis in b_axes[:-1]:
-            add(axis, "all_reduce", a * r * 8)
-        F = sizes[b_axes[-1]]
-        if low_rank:
-            rows = -(-a // F) * F
-            add(b_axes[-1], "reduce_scatter", rows * r * 8)
-            add("replicate", "all_reduce", rows // F * r * wire_itemsize)
-            add(b_axes[-1], "all_gather", rows // F * r * w)
-        else:
-            add(b_axes[-1], "all_reduce", a * r * 8)
-    if low_rank:
-        add("replicate", "all_reduce", b_j * r * wire_itemsize)                          # R mean
-    for axis in b_axes:
-        add(axis, "all_reduce", r * 8)                                                   # column norms
-    return sent
-
-
 def _guard_bytes(axis, sizes, steps):
     """The double-averaging checks of `steps` steps on `axis` (docs/design.md §9): the hashes on the
     replicate axis, the verdict on the others; nothing with one replica."""
@@ -171,7 +126,7 @@ def _run_dion(case, rank_fraction, steps=10, wire_dtype="float32", pass_meshes=F
     wire_itemsize = torch.empty(0, dtype=getattr(torch, wire_dtype)).element_size()
     expected = dict.fromkeys(sizes, 0)
     for layout in layouts:
-        for axis, sent in _dion_bytes(layout, rank_fraction, wire_itemsize, sizes).items():
+        for axis, sent in reference.dion_bytes(layout, rank_fraction, wire_itemsize, sizes).items():
             expected[axis] += sent
     expected = {axis: steps * (sent + collective_bytes("all_reduce", 4, sizes[axis]))   # + the non-finite flag
                 + _guard_bytes(axis, sizes, steps) for axis, sent in expected.items()}
