@@ -76,6 +76,8 @@ class StepAgreement:
         `param_axes`, the axes whose ranks hold the same params), or None when the step is skipped
         for a non-finite gradient. labels: param → its name. `agreement_axes`: where the branch is agreed."""
         check_gradients(labels.items())
+        if device.type == "meta":   # meta tensors hold no values: nothing to agree on, nothing to read back
+            return {p for p in params if p.grad is not None}
         self._check_not_double_averaged(params, replicate, agreement_axes, device)
         grads = [local(p.grad) for p in params if p.grad is not None]
         flag = gradient_flag(grads, len(grads) < len(params), agreement_axes, device)

@@ -12,7 +12,7 @@ import numbers
 import torch
 
 from .buckets import DEFAULT_BUCKET_BYTES
-from .hyperparams import validate_group
+from .hyperparams import state_dtype, validate_group
 from .placement import is_dtensor, local
 
 NONFINITE = ("skip", "raise")
@@ -174,3 +174,39 @@ def _check_param_state(param_state, param, group: dict, label: str, record) -> N
                              f"{tuple(local(value).shape)}, but this optimizer keeps it {placed}, local shape "
                              f"{local_shape}; load the optimizer's own state_dict() of this mesh, or change the mesh "
                              f"through torch.distributed.checkpoint (get/set_optimizer_state_dict), which reshards")
+
+
+def loadable(optimizer, state_dict, algorithms: dict) -> dict:
+    """What optimizer.load_state_dict loads: `state_dict` after the optimizer's load_state_dict
+    pre-hooks (a hook may repair it; what it returns is checked), with the saved groups' missing keys
+    set to the optimizer's defaults, checked by `check_state_dict` (algorithms: name → record)."""
+    state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        state_dict = hook(optimizer, state_dict) or state_dict
+    state_dict = with_current_defaults(state_dict, optimizer.defaults)
+    check_state_dict(state_dict, optimizer.param_groups, optimizer._param_label, algorithms)
+    return state_dict
+
+
+def with_current_defaults(state_dict: dict, defaults: dict) -> dict:
+    """The state dict with each saved group's missing hyperparameters (keys added to shardopt after it
+    was saved, e.g. maximize) set to `defaults` (the optimizer's), so an older checkpoint loads."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+        return state_dict   # (check_state_dict says what is wrong with it)
+    groups = [{**{key: value for key, value in defaults.items() if key not in group}, **group}
+              if isinstance(group, dict) else group for group in state_dict["param_groups"]]
+    return {**state_dict, "param_groups": groups}
+
+
+def keep_state_dtypes(optimizer, state_dict: dict, algorithms: dict) -> None:
+    """After torch.optim's load (which casts floating state to each param's dtype): a matrix group's
+    state in its `state_dtype`, copied from the loaded dict. algorithms: name → record."""
+    saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    params = [(p, group) for group in optimizer.param_groups for p in group["params"]]
+    for saved_id, (param, group) in zip(saved_ids, params):
+        if not algorithms[group["algorithm"]].matrix or not group.get("state_dtype") or saved_id not in state_dict["state"]:
+            continue
+        for key, value in state_dict["state"][saved_id].items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                optimizer.state[param][key] = value.to(device=optimizer.state[param][key].device,
+                                                       dtype=state_dtype(group, param), copy=True)

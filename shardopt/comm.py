@@ -126,6 +126,18 @@ class Axis:
         self.group, self.size, self.rank = _resolve_group(mesh, name)
         self.reset_stats()
 
+    def __deepcopy__(self, memo) -> "Axis":
+        """A copy of an optimizer shares its axes (a process group is a handle, not data)."""
+        return self
+
+    def __reduce__(self):
+        """Pickle: an axis of one rank is rebuilt as one; a process group cannot be pickled."""
+        if self.size > 1:
+            raise TypeError(f"the {self.name} axis is a process group of {self.size} ranks, which cannot be pickled; "
+                            f"save optimizer.state_dict() (or use torch.distributed.checkpoint) and build the "
+                            f"optimizer again on the other side")
+        return (Axis, (self.name,))
+
     def reset_stats(self) -> None:
         self.bytes_sent = 0
         self.bytes_received = 0

@@ -43,12 +43,12 @@ import torch
 from . import registry
 from .buckets import DEFAULT_BUCKET_BYTES
 from .agreement import StepAgreement, check_ranks_agree, gradient_flag
-from .checks import check_group_keys, check_options, check_state_dict
+from .checks import check_group_keys, check_options, keep_state_dtypes, loadable
 from .clipping import clip_grad_norm_
 from .comm import Axes, Axis
 from .exchange import MEAN
 from .guard import replicas_equal
-from .hyperparams import normalize_dtype_names, state_dtype, validate_group
+from .hyperparams import normalize_dtype_names, validate_group
 from .matrices import param_matrices
 from .placement import derive_meshes, local, tensor_split
 from .plan import Plans, group_steps
@@ -99,6 +99,10 @@ class ShardOptimizer(torch.optim.Optimizer):
     # ---- param groups -------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         param_group.setdefault("algorithm", self.matrix_algorithm)
+        if self.param_groups and "param_names" in self.param_groups[0] and "param_names" not in param_group:
+            index = len(self.param_groups)   # torch.optim needs names in all groups or none
+            param_group["param_names"] = [f"param_groups[{index}][{position}]"
+                                          for position in range(len(list(param_group["params"])))]
         defaults = registry.defaults()
         explicit_keys = [key for key in param_group if key in defaults]
         super().add_param_group(param_group)
@@ -113,7 +117,7 @@ class ShardOptimizer(torch.optim.Optimizer):
             validate_group(group, index, record, registry.ALGORITHMS.values(), explicit_keys)
             for param, label in zip(group["params"], labels):
                 if not param.dtype.is_floating_point:
-                    raise ValueError(f"param {label} of param group {index} ({group['algorithm']!r}) has dtype "
+                    raise ValueError(f"param {label} ({group['algorithm']!r}) has dtype "
                                      f"{param.dtype}; shardopt optimizes floating-point tensors only (float32, "
                                      f"float64, bfloat16, float16)")
                 if record.matrix:
@@ -138,6 +142,7 @@ class ShardOptimizer(torch.optim.Optimizer):
                 self.state[new] = self.state.pop(old)
 
     # ---- step ---------------------------------------------------------------------------------
+    @torch.compiler.disable(reason="a shardopt step issues collectives and agrees on one host-read flag per step")
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -165,7 +170,7 @@ class ShardOptimizer(torch.optim.Optimizer):
                 state = self.state[param]
                 if not state:
                     state.update(record.init_state(param, group, self._seed(param)))
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)   # whatever the default dtype
                 state["step"] += 1
             plan = self._plans.get(index, record, group, params, self.replicate.size, self.bucket_bytes, self._seed)
             yield from group_steps(record, group, plan, local, _gradient_reader(group["maximize"]),
@@ -183,8 +188,7 @@ class ShardOptimizer(torch.optim.Optimizer):
                                self.tensor, [tensor_split(p) for p in params])
 
     def nonfinite_anywhere(self, grads: list[torch.Tensor]) -> bool:
-        """True, on every rank alike, when any rank of the agreement axes has a NaN/inf in its local
-        `grads` (or a gradient norm that overflows its dtype); one all-reduce per axis, one sync."""
+        """True on every rank alike when any rank of the agreement axes has a NaN/inf in `grads`."""
         return gradient_flag(grads, False, self.agreement_axes(), self._device()) == 2
 
     def agreement_axes(self) -> tuple[Axis, ...]:
@@ -196,22 +200,25 @@ class ShardOptimizer(torch.optim.Optimizer):
         return local(self.param_groups[0]["params"][0]).device
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch.optim's load_state_dict, after checking that every group's algorithm, every param's
-        state keys, tensor shapes and dtypes fit this optimizer (ValueError naming the tensor; nothing
-        is loaded then); matrix-group state keeps the group's `state_dtype` (torch.optim casts every
-        floating state tensor to its param's dtype, which would round fp32 momenta of bf16 params)."""
-        check_state_dict(state_dict, self.param_groups, self._param_label, registry.ALGORITHMS)
-        super().load_state_dict(state_dict)
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        groups = [group for group in self.param_groups for _ in group["params"]]
-        for saved_id, param, group in zip(saved_ids, [p for g in self.param_groups for p in g["params"]], groups):
-            if not registry.algorithm(group["algorithm"]).matrix or not group.get("state_dtype") \
-                    or saved_id not in state_dict["state"]:
-                continue
-            for key, value in state_dict["state"][saved_id].items():
-                if key != "step" and isinstance(value, torch.Tensor):
-                    self.state[param][key] = value.to(device=self.state[param][key].device,
-                                                      dtype=state_dtype(group, param), copy=True)
+        """torch.optim's load_state_dict, its pre-hooks first, then shardopt's checks (checks.loadable:
+        every group's algorithm, each param's state keys, shapes and dtypes; ValueError naming the
+        tensor, nothing loaded; a group key the dict lacks takes this optimizer's default); matrix-group
+        state keeps the group's `state_dtype` (torch.optim would cast it to the param's dtype)."""
+        state_dict = loadable(self, state_dict, registry.ALGORITHMS)
+        hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, {}
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
+        keep_state_dtypes(self, state_dict, registry.ALGORITHMS)
+
+    def __getstate__(self) -> dict:
+        """Every setting, not only torch.optim's defaults, state and groups (deepcopy, pickle)."""
+        return {key: value for key, value in self.__dict__.items() if key != "_plans"}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._plans = Plans()
 
     # ---- traffic ------------------------------------------------------------------------------
     def replicate_bytes_per_step(self, replicas: int | None = None) -> list[int]:
