@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
-import os
 
 import torch
 
@@ -15,8 +14,8 @@ from ..groups import describe_groups
 from ..optimizer import ShardOptimizer
 from . import internals
 from .config import Plan, build_param_groups, check_scheduler, load_config, plan, read_config
-from .optimizers import AgreedOverflowCheck
-from .zero import BackwardReducer, mesh_shape
+from .wiring import EngineWiring
+from .zero import mesh_shape
 
 
 def initialize(*args, **kwargs):
@@ -51,7 +50,7 @@ def initialize(*args, **kwargs):
         call["args"] = copy.copy(call["args"])
         call["args"].deepspeed_config = None
     engine, *rest = deepspeed.initialize(**call)
-    wire(engine, built[0])
+    EngineWiring(engine, built[0])
     return (engine, *rest)
 
 
@@ -86,13 +85,23 @@ def attach(engine) -> ShardOptimizer:
     With Accelerate: engine = model after accelerator.prepare (a DeepSpeedEngine)."""
     internals.load()
     optimizer = shard_optimizer(engine)
-    if not optimizer._inert:
+    if optimizer.wiring is not None:
         return optimizer
     if engine.zero_optimization_stage() != 0 or engine.gradient_clipping() != 0:
         raise ValueError(f"DeepSpeed was given ZeRO stage {engine.zero_optimization_stage()} and gradient_clipping "
                          f"{engine.gradient_clipping()}; give DeepSpeed shardopt.deepspeed.engine_config(config) "
                          f"(ZeRO stage 0, clipping 0: shardopt does both itself) and the full config to client_optimizer")
-    wire(engine, optimizer)
+    EngineWiring(engine, optimizer)
+    return optimizer
+
+
+def detach(engine) -> ShardOptimizer:
+    """Undo the wiring of `engine` (wiring.EngineWiring.detach): every attribute the plugin set on the engine
+    and DeepSpeed's fp16/bf16 wrapper restored, its gradient hooks removed; the optimizer is inert again
+    (`attach(engine)` wires it anew). Returns the shardopt optimizer."""
+    optimizer = shard_optimizer(engine)
+    if optimizer.wiring is not None:
+        optimizer.wiring.detach()
     return optimizer
 
 
@@ -132,112 +141,3 @@ def _build(the_plan: Plan, model, model_parameters, check_lr_scheduler: bool) ->
     if the_plan.section.get("verbose") and torch.distributed.get_rank() == 0:
         print(describe_groups(optimizer.param_groups))
     return optimizer
-
-
-def wire(engine, optimizer: ShardOptimizer) -> None:
-    """Turn the engine's gradient all-reduce off and fit the optimizer to DeepSpeed's fp16/bf16 wrapper."""
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-
-    if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
-        raise NotImplementedError("shardopt optimizers under DeepSpeed do not support torch_autocast with float16 "
-                                  "(its GradScaler decides to skip a step on each rank alone); use "
-                                  "\"fp16\": {\"enabled\": true} or bf16")
-    if getattr(engine, "has_moe_layers", False):
-        raise NotImplementedError("shardopt under DeepSpeed does not support MoE layers (deepspeed.moe.layer.MoE); "
-                                  "see shardopt/deepspeed/config.py")
-    engine.enable_backward_allreduce = False
-    wrapper = engine.optimizer
-    model_params = optimizer._slots()
-    if wrapper is not optimizer:
-        if not isinstance(wrapper, FP16_UnfusedOptimizer):
-            raise NotImplementedError(f"DeepSpeed wrapped the shardopt optimizer in {type(wrapper).__name__}; "
-                                      f"shardopt supports fp32, bf16 or fp16 with DeepSpeed given ZeRO stage 0")
-        for lp_params, master_params in zip(wrapper.fp16_groups, wrapper.fp32_groups):
-            optimizer.adopt_master_copies(lp_params, master_params)
-        model_params = [p for group in wrapper.fp16_groups for p in group]
-        wrapper.overflow_checker = AgreedOverflowCheck(model_params, optimizer)
-        wrapper.checkpoint_event_prologue = optimizer.checkpoint_event_prologue
-        optimizer._wrapper = wrapper
-    _wrap_backward(engine, optimizer, model_params)
-    if optimizer.zero is not None and optimizer.zero.stage >= 1:
-        _wrap_checkpoints(engine, optimizer)
-    optimizer._inert = False
-
-
-def _wrap_checkpoints(engine, optimizer) -> None:
-    """ZeRO 1/2: DeepSpeed (given stage 0) writes the optimizer state of data-parallel rank 0 only, one
-    partition. engine.save_checkpoint here also writes every rank's own state (its partition, momenta
-    averaged over the replicas first) as <dir>/<tag>/shardopt_zero_rank<rank>.safetensors, and
-    engine.load_checkpoint reads it back, so a resumed run continues the saving run's trajectory. The
-    same world size and mesh are needed to load (the file of each rank holds that rank's partition)."""
-    from ..checkpoint import load_optimizer_state, save_optimizer_state
-    save, load = engine.save_checkpoint, engine.load_checkpoint
-    save_signature = inspect.signature(internals.unwrapped(type(engine).save_checkpoint))
-
-    def own_file(directory) -> str:
-        return os.path.join(directory, f"shardopt_zero_rank{torch.distributed.get_rank()}.safetensors")
-
-    def save_checkpoint(save_dir, *args, **kwargs):
-        tag = save_signature.bind(engine, save_dir, *args, **kwargs).arguments.get("tag")
-        tag = f"global_step{engine.global_steps}" if tag is None else tag   # DeepSpeed's default tag
-        result = save(save_dir, *args, **kwargs)
-        save_optimizer_state(optimizer, own_file(os.path.join(save_dir, str(tag))))   # each rank reads its own
-        return result
-
-    def load_checkpoint(load_dir, *args, **kwargs):
-        path, client_state = load(load_dir, *args, **kwargs)
-        if path is not None:
-            own = own_file(os.path.dirname(path))
-            if not os.path.exists(own):
-                raise FileNotFoundError(f"{own} not found: the checkpoint was not written by shardopt at ZeRO stage "
-                                        f"1/2 with this world size ({torch.distributed.get_world_size()} ranks)")
-            load_optimizer_state(optimizer, own)
-        return path, client_state
-
-    save_checkpoint.__doc__, load_checkpoint.__doc__ = save.__doc__, load.__doc__
-    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
-
-
-def _wrap_backward(engine, optimizer, model_params: list[torch.Tensor]) -> None:
-    """engine.backward, plus:
-    - fp16: the loss scale. DeepSpeed 0.19 at stage 0 runs backward without it yet unscales in step
-      (deepspeedai/DeepSpeed#8393): the gradient entering the loss is set to loss_scale /
-      gradient_accumulation_steps (loss_scale without scale_wrt_gas), whatever the engine multiplies
-      the loss by, as DeepSpeed's fp16 wrapper expects when it unscales in step.
-    - ZeRO stage 2: during backward each fresh local gradient goes to its owner (zero.BackwardReducer);
-      after it the owned node means are added to the owned gradients kept from earlier micro-batches."""
-    fp16 = engine.fp16_enabled()
-    reducer = None
-    if optimizer.zero is not None and optimizer.zero.stage == 2:
-        reducer = BackwardReducer(optimizer.zero, model_params, optimizer.reduce_bucket_size)
-    if not fp16 and reducer is None:
-        return
-    original = engine.backward
-    signature = inspect.signature(internals.unwrapped(type(engine).backward))
-
-    def backward(loss, *args, **kwargs):
-        handle = None
-        if fp16:
-            scale_wrt_gas = signature.bind(engine, loss, *args, **kwargs).arguments.get("scale_wrt_gas", True)
-            factor = engine.optimizer.loss_scale / (engine.gradient_accumulation_steps() if scale_wrt_gas else 1)
-            handle = loss.register_hook(lambda grad: torch.full_like(grad, factor))
-        kept = [p.grad for p in model_params]
-        if reducer is not None:
-            for param in model_params:
-                param.grad = None
-            reducer.begin()
-        try:
-            result = original(loss, *args, **kwargs)
-        finally:
-            if handle is not None:
-                handle.remove()
-            fresh = reducer.end() if reducer is not None else None
-        if reducer is not None:
-            for slot, (param, old) in enumerate(zip(model_params, kept)):
-                new = fresh.get(slot)
-                new = None if new is None else new.view(param.shape).to(param.dtype)
-                param.grad = new if old is None else old if new is None else old.add_(new)
-        return result
-
-    backward.__doc__ = original.__doc__
-    engine.backward = backward
