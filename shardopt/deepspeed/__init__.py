@@ -79,6 +79,7 @@ WarmupCosineLR, which scales each group's own lr); otherwise an error says so.
 
 from .engine import attach, client_optimizer, detach, engine_config, initialize, shard_optimizer, shutdown
 from .optimizers import DeepSpeedDion, DeepSpeedSignMuon
+from .registration import register, unregister
 
-__all__ = ["initialize", "shard_optimizer", "engine_config", "client_optimizer", "attach", "detach", "shutdown",
-           "DeepSpeedDion", "DeepSpeedSignMuon"]
+__all__ = ["initialize", "register", "unregister", "shard_optimizer", "engine_config", "client_optimizer", "attach",
+           "detach", "shutdown", "DeepSpeedDion", "DeepSpeedSignMuon"]

@@ -6,13 +6,14 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
+import sys
 
 import torch
 
 from ..comm import split_world
 from ..groups import describe_groups
 from ..optimizer import ShardOptimizer
-from . import internals
+from . import internals, registration
 from .config import Plan, build_param_groups, check_scheduler, load_config, plan, read_config
 from .wiring import EngineWiring
 from .zero import mesh_shape
@@ -24,17 +25,18 @@ def initialize(*args, **kwargs):
     lr_scheduler) as deepspeed.initialize does; under fp16/bf16 `optimizer` is DeepSpeed's wrapper,
     and `shard_optimizer(engine)` is the shardopt optimizer (comm_stats, replicas_consistent)."""
     deepspeed = internals.load()
-    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    bound = inspect.signature(registration.original_initialize(deepspeed)).bind(*args, **kwargs)
     call = bound.arguments
     config, config_from_args = read_config(call)
     the_plan = plan(config, call.get("model"), call.get("mpu"), fp16_supported=internals.fp16_supported)
     if the_plan is None:
-        return deepspeed.initialize(*args, **kwargs)
+        return registration.original_initialize(deepspeed)(*args, **kwargs)
     if call.get("optimizer") is not None:
         raise ValueError(f"the config asks for the {the_plan.name} optimizer and an optimizer was passed too; "
                          f"give one: drop the config's \"optimizer\" section or the optimizer argument")
     if call.get("model") is None:
         raise ValueError("shardopt.deepspeed.initialize needs model=... to build the param groups")
+    _check_accelerate_counts_every_rank()
     built = []
     given = call.get("model_parameters") is not None
 
@@ -49,7 +51,7 @@ def initialize(*args, **kwargs):
     if config_from_args:
         call["args"] = copy.copy(call["args"])
         call["args"].deepspeed_config = None
-    engine, *rest = deepspeed.initialize(**call)
+    engine, *rest = registration.original_initialize(deepspeed)(**call)
     EngineWiring(engine, built[0])
     return (engine, *rest)
 
@@ -69,10 +71,13 @@ def engine_config(config) -> dict:
 def client_optimizer(model, config, model_parameters=None) -> ShardOptimizer:
     """The shardopt optimizer the config asks for, built on `model`'s parameters, to hand to code that
     calls deepspeed.initialize itself (accelerator.prepare(model, optimizer, ...)); after that call
-    `attach(engine)`. Needs the process group (create the Accelerator first). The config is the full
-    one (with "optimizer", "gradient_clipping", ZeRO stage and "shardopt"); DeepSpeed must be given
-    engine_config(config)."""
-    internals.load()
+    `attach(engine)`. Before deepspeed.comm is up (e.g. before the Accelerator exists) it starts it as
+    deepspeed.initialize would (deepspeed.init_distributed(), from the launcher's environment). The config
+    is the full one (with "optimizer", "gradient_clipping", ZeRO stage and "shardopt"); DeepSpeed must be
+    given engine_config(config)."""
+    deepspeed = internals.load()
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed()
     the_plan = plan(load_config(config), model, fp16_supported=internals.fp16_supported)
     if the_plan is None:
         raise ValueError("the config's \"optimizer\" type must be \"Dion\" or \"SignMuon\" for shardopt")
@@ -124,6 +129,24 @@ def shutdown(engine=None) -> None:
     if torch.distributed.is_initialized():
         deepspeed.comm.destroy_process_group()
     gc.collect()
+
+
+def _check_accelerate_counts_every_rank() -> None:
+    """Accelerate (and HF Trainer through it) on a machine without GPUs finds no distributed backend for
+    DeepSpeed (accelerate.state.PartialState._prepare_backend: no accelerator device, no default backend)
+    and then counts one process, so it neither splits the data nor sizes the batch for the world: every
+    rank trains on the same batches. Refused here, naming the settings that give Accelerate its backend."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or not state.is_initialized() or not torch.distributed.is_initialized():
+        return
+    processes, world = state.AcceleratorState().num_processes, torch.distributed.get_world_size()
+    if processes != world:
+        raise RuntimeError(f"Accelerate counts {processes} process(es) but {world} ranks are running: it found no "
+                           f"distributed backend for DeepSpeed on this machine (no GPU), so every rank would train on the "
+                           f"same batches. Give it one: Accelerator(deepspeed_plugin=..., kwargs_handlers="
+                           f"[InitProcessGroupKwargs(backend=\"gloo\")]); with HF Trainer, before TrainingArguments: "
+                           f"os.environ[\"ACCELERATE_USE_DEEPSPEED\"] = \"true\"; accelerate.PartialState(backend=\"gloo\") "
+                           f"and TrainingArguments(..., accelerator_config={{\"use_configured_state\": True}}) (see docs/trainers.md)")
 
 
 def _build(the_plan: Plan, model, model_parameters, check_lr_scheduler: bool) -> ShardOptimizer:
