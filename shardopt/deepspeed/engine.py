@@ -14,7 +14,7 @@ from ..comm import split_world
 from ..groups import describe_groups
 from ..optimizer import ShardOptimizer
 from . import internals, registration
-from .config import Plan, build_param_groups, check_scheduler, load_config, plan, read_config
+from .config import Plan, build_param_groups, check_scheduler, load_config, plan, read_config, scale_scheduler_lrs
 from .wiring import EngineWiring
 from .zero import mesh_shape
 
@@ -39,6 +39,10 @@ def initialize(*args, **kwargs):
     _check_accelerate_counts_every_rank()
     built = []
     given = call.get("model_parameters") is not None
+    if given:
+        call["model_parameters"] = list(call["model_parameters"])   # read twice: the scheduler's lrs, the optimizer
+    scale_scheduler_lrs(the_plan, lambda: build_param_groups(call["model"], call.get("model_parameters"), the_plan.cls,
+                                                             the_plan.section))
 
     def build(model_parameters):    # called by the engine once the model is cast and on its device
         built.append(_build(the_plan, call["model"], model_parameters if given else None,
@@ -65,6 +69,10 @@ def engine_config(config) -> dict:
     the_plan = plan(load_config(config), fp16_supported=internals.fp16_supported)
     if the_plan is None:
         raise ValueError("the config's \"optimizer\" type must be \"Dion\" or \"SignMuon\" for shardopt")
+    if the_plan.section.get("scale_scheduler_lr"):
+        raise ValueError("\"shardopt\": {\"scale_scheduler_lr\": true} needs the model's param groups, which "
+                         "engine_config(config) does not see: call shardopt.deepspeed.register() and give DeepSpeed the "
+                         "full config (or use shardopt.deepspeed.initialize), or give the scheduler's lrs as lists")
     return the_plan.engine_config
 
 
