@@ -12,7 +12,9 @@ config goes to deepspeed.initialize unchanged. model_parameters given as tensors
 select the params to train, still split by param_groups; param-group dicts are
 used as given. Model parallelism (mpu=..., PipelineModule) and MoE expert
 parameters are refused. The optimizer's "params" are the class's keyword
-arguments. An optional top-level "shardopt" section:
+arguments; the vote format with the fewest bytes (vote="auto") is spelled "fewest_bytes" in a config,
+as HF Transformers and Accelerate take "auto" for their own placeholder ("auto" is still accepted
+outside them). An optional top-level "shardopt" section:
 
     "shardopt": {"scalar_algorithm": "adamw" | "lion",
                  "scalar_names": ["pos_emb"],       names (substrings) to treat as non-matrix
@@ -20,18 +22,24 @@ arguments. An optional top-level "shardopt" section:
                  "scalar": {"lr": 3e-4},            options of the non-matrix group
                  "matrix": {...},                   options of the matrix group
                  "mesh": {"replicate": R, "shard": S},   data-parallel ranks as R nodes × S ranks
+                 "scale_scheduler_lr": true,        a WarmupLR-type scheduler's lr is the matrix group's;
+                                                    the other groups get it scaled to their own lr
                  "verbose": true}                   print the groups on rank 0
 
-Code that calls deepspeed.initialize itself (HF Accelerate, Transformers): give
-DeepSpeed `engine_config(config)`, pass `client_optimizer(model, config)` as the
-optimizer, and call `attach(engine)` on the engine it returns. `detach(engine)` undoes the wiring.
+Code that calls deepspeed.initialize itself (HF Trainer with a DeepSpeed config, Accelerate's
+DeepSpeedPlugin, Lightning's DeepSpeedStrategy): call `shardopt.deepspeed.register()` once before it
+does; deepspeed.initialize is then this `initialize` (idempotent; `unregister()` gives DeepSpeed's
+back), and the framework is given the full config (docs/trainers.md). Without registering: give
+DeepSpeed `engine_config(config)`, pass `client_optimizer(model, config)` as the optimizer, and call
+`attach(engine)` on the engine it returns. `detach(engine)` undoes the wiring.
 
 One file per concern: `config.py` (what the plugin reads from the config),
 `optimizers.py` (the optimizer classes DeepSpeed drives: agreed clipping and
 overflow), `zero.py` (ZeRO stages 1/2 with the compressed exchange across
 nodes), `engine.py` (building the optimizer; the entry points), `wiring.py`
 (every change to the engine, owned by one EngineWiring with detach()),
-`internals.py` (every DeepSpeed internal the plugin touches, checked on load).
+`registration.py` (register / unregister), `internals.py` (every DeepSpeed
+internal the plugin touches, checked on load).
 
 What the plugin changes in the engine, and why:
 
@@ -73,8 +81,9 @@ What the plugin changes in the engine, and why:
 
 DeepSpeed's LR schedulers act on the optimizer's param groups. WarmupLR,
 WarmupDecayLR, OneCycle and LRRangeTest set absolute learning rates; when the
-groups' learning rates differ, give those as per-group lists (or use
-WarmupCosineLR, which scales each group's own lr); otherwise an error says so.
+groups' learning rates differ, give one number and "scale_scheduler_lr": true,
+or per-group lists (or use WarmupCosineLR, which scales each group's own lr);
+otherwise an error says so.
 """
 
 from .engine import attach, client_optimizer, detach, engine_config, initialize, shard_optimizer, shutdown
