@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-AXIS_NAMES = ("replicate", "shard", "tensor")
+AXIS_NAMES = ("replicate", "shard", "tensor", "node")   # node: the ranks of a node under the DeepSpeed plugin's ZeRO 1/2
 # renamed in torch 2.13 (the old names warn there); torch ≥ 2.6 has the old ones only
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

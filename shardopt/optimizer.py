@@ -184,8 +184,22 @@ class ShardOptimizer(torch.optim.Optimizer):
         """Clip every rank's local gradients in place by one agreed factor; returns the agreed norm ν
         (a 0-d tensor, no device sync). See `shardopt.clipping.clip_grad_norm_`."""
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        return clip_grad_norm_([local(p.grad) for p in params], max_norm, self.replicate, self.shard, self._device(),
-                               self.tensor, [tensor_split(p) for p in params])
+        return clip_grad_norm_([local(p.grad) for p in params], max_norm, replicate=self.replicate,
+                               split=self.gradient_split_axes(), device=self._device(), tensor=self.tensor,
+                               tensor_split=[tensor_split(p) for p in params])
+
+    def gradient_split_axes(self) -> tuple[Axis, ...]:
+        """The axes whose ranks hold disjoint pieces of one replica's gradient (clipping sums their squares)."""
+        return (self.shard,)
+
+    def replace_params(self, pairs) -> None:
+        """For each (old, new) param: `new` takes over `old`'s seed index, label and state (for a wrapper
+        that swaps the params in the groups for copies, e.g. DeepSpeed's fp32 master copies)."""
+        for old, new in pairs:
+            self._param_index[new] = self._param_index.pop(old)
+            self._param_label[new] = self._param_label.pop(old)
+            if old in self.state:
+                self.state[new] = self.state.pop(old)
 
     def nonfinite_anywhere(self, grads: list[torch.Tensor]) -> bool:
         """True on every rank alike when any rank of the agreement axes has a NaN/inf in `grads`."""

@@ -441,6 +441,44 @@ def test_client_optimizer_and_attach_equal_initialize_and_an_unwired_step_raises
         assert diff == 0 and backward_allreduce is False and sent == reference_sent
 
 
+def _patched(engine) -> list:
+    """What the plugin may set on the engine and on DeepSpeed's fp16/bf16 wrapper, as each instance holds it
+    (None: not set on the instance), and the post-accumulate-grad hooks on the params."""
+    wrapper = engine.optimizer
+    names = {engine: ("enable_backward_allreduce", "backward", "save_checkpoint", "load_checkpoint"),
+             wrapper: ("overflow_checker", "checkpoint_event_prologue")}
+    return [vars(obj).get(name) for obj, attributes in names.items() for name in attributes] + [
+        len(p._post_accumulate_grad_hooks or {}) for p in engine.module.parameters()]
+
+
+def _detach_restores_the_engine():
+    """bf16 (DeepSpeed's wrapper) at ZeRO 2 (gradient hooks, checkpoint files): every patch the wiring made."""
+    _env()
+    config = _config("SignMuon", precision="bf16", zero_optimization={"stage": 2},
+                     shardopt={"mesh": {"replicate": 2, "shard": 1}})
+    reference, *_ = sds.initialize(model=_model(), config=config)
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=sds.client_optimizer(model, config),
+                                      config=sds.engine_config(config))
+    before = _patched(engine)
+    sds.attach(engine)
+    wired = _patched(engine)
+    ours = sds.detach(engine)
+    after = _patched(engine)
+    inert = ours.wiring is None
+    sds.attach(engine)    # a detached engine can be wired again: it trains as one wired once
+    _train(reference, 3)
+    _train(engine, 3)
+    return (sum(a is not b for a, b in zip(before, wired)), all(a is b or a == b for a, b in zip(before, after)),
+            inert, _max_diff(_weights(reference.module), _weights(engine.module)), ours.replicas_consistent())
+
+
+def test_detach_restores_every_engine_patch_and_attach_works_again(pool):
+    for changed, restored, inert, diff, consistent in pool.run(_detach_restores_the_engine, timeout_s=TIMEOUT_S):
+        assert changed >= 6 and restored and inert   # allreduce switch, backward, save/load, overflow check, prologue, hooks
+        assert diff == 0 and consistent
+
+
 def test_missing_deepspeed_gives_an_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(ImportError, match=r"pip install 'shardopt\[deepspeed\]'"):

@@ -4,11 +4,11 @@
     torchrun --nproc_per_node 2 integrations/deepspeed/train_accelerate.py \\
         --deepspeed_config integrations/deepspeed/signmuon_bf16.json --steps 20
 
-Accelerate calls deepspeed.initialize itself, so shardopt comes in through three calls:
-`engine_config(config)` is what DeepSpeed is given (ZeRO stage 0 and no clipping: shardopt does
-both), `client_optimizer(model, config)` is the optimizer handed to accelerator.prepare, and
-`attach(engine)` wires the engine afterwards (its gradient all-reduce off: the optimizer sends
-low-rank factors or 1-bit votes). The same config file serves train.py.
+Accelerate calls deepspeed.initialize itself: after `shardopt.deepspeed.register()` that call builds
+shardopt's optimizer from the config's "optimizer" section (Accelerate is handed a DummyOptim) and wires
+the engine (its gradient all-reduce off: the optimizer sends low-rank factors or 1-bit votes). The same
+config file serves train.py. Without a GPU, Accelerate finds no distributed backend for DeepSpeed by
+itself (it would count one process); InitProcessGroupKwargs(backend="gloo") gives it one.
 
 Data: integrations/data.py's prepared corpus (its meta.json gives the vocabulary), each rank its own batches.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import DeepSpeedPlugin
+from accelerate.utils import DeepSpeedPlugin, DummyOptim, InitProcessGroupKwargs
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import shardopt.deepspeed
@@ -43,14 +43,15 @@ def main():
     args = parser.parse_args()
 
     config = json.loads(args.deepspeed_config.read_text())
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=shardopt.deepspeed.engine_config(config)))
+    shardopt.deepspeed.register()   # accelerator.prepare's deepspeed.initialize builds shardopt's optimizer
+    backend = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), kwargs_handlers=backend)
     torch.manual_seed(args.seed)   # the same initial weights on every rank
     model = GPT2LMHeadModel(GPT2Config(vocab_size=data.vocab_size(args.data_dir), n_positions=args.block_size,
                                        n_embd=args.n_embd, n_layer=args.n_layer, n_head=4, bos_token_id=0,
                                        eos_token_id=0))
-    optimizer = shardopt.deepspeed.client_optimizer(model, config)
-    engine, _ = accelerator.prepare(model, optimizer)
-    ours = shardopt.deepspeed.attach(engine)
+    engine, _ = accelerator.prepare(model, DummyOptim(model.parameters()))
+    ours = shardopt.deepspeed.shard_optimizer(engine)
 
     tokens = data.load(args.data_dir, "train")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -70,7 +71,7 @@ def main():
     if rank == 0:
         print(f"{type(ours).__name__} through Accelerate on {world} ranks: {sent:,} B sent on the replicate axis, "
               f"{sent / (allreduce_bytes * args.steps):.3f} of an fp32 all-reduce; replicas identical: {consistent}")
-    del ours, optimizer
+    del ours
     dist.barrier()
     shardopt.deepspeed.shutdown(engine)
     if not consistent:

@@ -12,7 +12,9 @@ config goes to deepspeed.initialize unchanged. model_parameters given as tensors
 select the params to train, still split by param_groups; param-group dicts are
 used as given. Model parallelism (mpu=..., PipelineModule) and MoE expert
 parameters are refused. The optimizer's "params" are the class's keyword
-arguments. An optional top-level "shardopt" section:
+arguments; the vote format with the fewest bytes (vote="auto") is spelled "fewest_bytes" in a config,
+as HF Transformers and Accelerate take "auto" for their own placeholder ("auto" is still accepted
+outside them). An optional top-level "shardopt" section:
 
     "shardopt": {"scalar_algorithm": "adamw" | "lion",
                  "scalar_names": ["pos_emb"],       names (substrings) to treat as non-matrix
@@ -20,17 +22,24 @@ arguments. An optional top-level "shardopt" section:
                  "scalar": {"lr": 3e-4},            options of the non-matrix group
                  "matrix": {...},                   options of the matrix group
                  "mesh": {"replicate": R, "shard": S},   data-parallel ranks as R nodes × S ranks
+                 "scale_scheduler_lr": true,        a WarmupLR-type scheduler's lr is the matrix group's;
+                                                    the other groups get it scaled to their own lr
                  "verbose": true}                   print the groups on rank 0
 
-Code that calls deepspeed.initialize itself (HF Accelerate, Transformers): give
-DeepSpeed `engine_config(config)`, pass `client_optimizer(model, config)` as the
-optimizer, and call `attach(engine)` on the engine it returns.
+Code that calls deepspeed.initialize itself (HF Trainer with a DeepSpeed config, Accelerate's
+DeepSpeedPlugin, Lightning's DeepSpeedStrategy): call `shardopt.deepspeed.register()` once before it
+does; deepspeed.initialize is then this `initialize` (idempotent; `unregister()` gives DeepSpeed's
+back), and the framework is given the full config (docs/trainers.md). Without registering: give
+DeepSpeed `engine_config(config)`, pass `client_optimizer(model, config)` as the optimizer, and call
+`attach(engine)` on the engine it returns. `detach(engine)` undoes the wiring.
 
 One file per concern: `config.py` (what the plugin reads from the config),
 `optimizers.py` (the optimizer classes DeepSpeed drives: agreed clipping and
 overflow), `zero.py` (ZeRO stages 1/2 with the compressed exchange across
-nodes), `engine.py` (building the optimizer, wiring the engine),
-`internals.py` (every DeepSpeed internal the plugin touches, checked on load).
+nodes), `engine.py` (building the optimizer; the entry points), `wiring.py`
+(every change to the engine, owned by one EngineWiring with detach()),
+`registration.py` (register / unregister), `internals.py` (every DeepSpeed
+internal the plugin touches, checked on load).
 
 What the plugin changes in the engine, and why:
 
@@ -45,7 +54,8 @@ What the plugin changes in the engine, and why:
   weights too, which is shardopt's FSDP2 HSDP path (fully_shard + replicate_mesh /
   shard_mesh) already, without DeepSpeed's on-the-fly gathering of flat pieces.
 - Gradient clipping: "gradient_clipping" is taken out of the engine's config and
-  done by the optimizer with a norm agreed over the replicas (optimizers.py),
+  done by the optimizer with a norm agreed over the replicas (shardopt/clipping.py,
+  the same path as the optimizer's max_grad_norm, the node axis added at ZeRO 1/2),
   also reported by engine.get_global_grad_norm().
 - fp16/bf16: DeepSpeed keeps fp32 master copies in a wrapper (FP16_UnfusedOptimizer)
   that hands them to the optimizer; its construction-time "initialize state" step
@@ -64,16 +74,21 @@ What the plugin changes in the engine, and why:
 - Checkpoints: `engine.save_checkpoint` first averages the replicas' decoupled
   momenta (docs/design.md §6), so the one optimizer state DeepSpeed writes (data-parallel
   rank 0) holds for every replica. At ZeRO 1/2 every rank also writes and reads
-  its own partition next to DeepSpeed's files (engine.py).
+  its own partition next to DeepSpeed's files (wiring.py).
+- Bytes: `shard_optimizer(engine).comm_stats()` per axis: "replicate" (across nodes)
+  and "node" (ZeRO 1/2 inside a node). "shard" also reports the node's bytes until the
+  next release (the node axis's former name): read "node".
 
 DeepSpeed's LR schedulers act on the optimizer's param groups. WarmupLR,
 WarmupDecayLR, OneCycle and LRRangeTest set absolute learning rates; when the
-groups' learning rates differ, give those as per-group lists (or use
-WarmupCosineLR, which scales each group's own lr); otherwise an error says so.
+groups' learning rates differ, give one number and "scale_scheduler_lr": true,
+or per-group lists (or use WarmupCosineLR, which scales each group's own lr);
+otherwise an error says so.
 """
 
-from .engine import attach, client_optimizer, engine_config, initialize, shard_optimizer, shutdown
+from .engine import attach, client_optimizer, detach, engine_config, initialize, shard_optimizer, shutdown
 from .optimizers import DeepSpeedDion, DeepSpeedSignMuon
+from .registration import register, unregister
 
-__all__ = ["initialize", "shard_optimizer", "engine_config", "client_optimizer", "attach", "shutdown",
-           "DeepSpeedDion", "DeepSpeedSignMuon"]
+__all__ = ["initialize", "register", "unregister", "shard_optimizer", "engine_config", "client_optimizer", "attach",
+           "detach", "shutdown", "DeepSpeedDion", "DeepSpeedSignMuon"]

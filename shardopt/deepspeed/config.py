@@ -13,7 +13,8 @@ from ..groups import param_groups
 from ..optimizer import Dion, ShardOptimizer, SignMuon
 from .optimizers import OPTIMIZERS
 
-SHARDOPT_SECTION_KEYS = ("scalar_algorithm", "scalar_names", "head_names", "scalar", "matrix", "verbose", "mesh")
+SHARDOPT_SECTION_KEYS = ("scalar_algorithm", "scalar_names", "head_names", "scalar", "matrix", "verbose", "mesh",
+                         "scale_scheduler_lr")
 # ZeRO keys that change where state or work lives and that the plugin does not do: refused, not ignored.
 REFUSED_ZERO_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "zero_hpz_partition_size",
                      "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size")
@@ -24,6 +25,9 @@ ABSOLUTE_LR_SCHEDULERS = {
     "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
     "LRRangeTest": ("lr_range_test_min_lr",),
 }
+# "auto" is HF Transformers' and Accelerate's placeholder for a value they fill in, and they reject one they do
+# not know; in a DeepSpeed config the vote format with the fewest bytes (the optimizers' vote="auto") is spelled:
+VOTE_FEWEST_BYTES = "fewest_bytes"
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000   # elements, DeepSpeed's default: the stage-2 gradients in flight
 FSDP2_HINT = ("use shardopt with FSDP2 HSDP instead: fully_shard(model, mesh=mesh['shard']) and "
               "{name}(..., replicate_mesh=mesh['replicate'], shard_mesh=mesh['shard']) shard weights, gradients and "
@@ -158,7 +162,7 @@ def _optimizer_options(cls, params: dict, name: str) -> dict:
     if unknown:
         raise ValueError(f"optimizer.params has unknown key(s) {', '.join(map(repr, unknown))} for {name}; "
                          f"allowed: {', '.join(allowed)}")
-    options = dict(params)
+    options = _vote_spelling(params)
     if "betas" in options:
         options["betas"] = tuple(options["betas"])
     return options
@@ -170,7 +174,13 @@ def _shardopt_section(config: dict) -> dict:
     if unknown:
         raise ValueError(f"the config's \"shardopt\" section has unknown key(s) {', '.join(map(repr, unknown))}; "
                          f"allowed: {', '.join(SHARDOPT_SECTION_KEYS)}")
-    return section
+    return {**section, **{key: _vote_spelling(section[key]) for key in ("scalar", "matrix") if section.get(key)}}
+
+
+def _vote_spelling(options: dict) -> dict:
+    """A copy of a group's options with vote "fewest_bytes" (the config's spelling) as the optimizers' "auto"
+    (still accepted as such outside HF Transformers and Accelerate, which take "auto" for their placeholder)."""
+    return {**options, "vote": "auto"} if options.get("vote") == VOTE_FEWEST_BYTES else dict(options)
 
 
 def build_param_groups(model, model_parameters, cls, section: dict) -> list:
@@ -200,6 +210,34 @@ def build_param_groups(model, model_parameters, cls, section: dict) -> list:
         kept = [(p, n) for p, n in zip(group["params"], group["param_names"]) if id(p) in chosen]
         group["params"], group["param_names"] = [p for p, _ in kept], [n for _, n in kept]
     return [group for group in groups if group["params"]]
+
+
+def scale_scheduler_lrs(the_plan: Plan, param_groups_of_model) -> None:
+    """"shardopt": {"scale_scheduler_lr": true}: the absolute-lr scheduler's learning rates (one number each)
+    are the first param group's; DeepSpeed is given one per group, lr·(group lr / first group's lr), so
+    every group follows the schedule at its own lr (the config then names one lr, as HF Transformers'
+    TrainingArguments(learning_rate=...) does). `param_groups_of_model()`: the groups the optimizer will get."""
+    flag = the_plan.section.get("scale_scheduler_lr", False)
+    if not isinstance(flag, bool):
+        raise ValueError(f"\"shardopt\": {{\"scale_scheduler_lr\": ...}} must be true or false, got {flag!r}")
+    if not flag:
+        return
+    scheduler = the_plan.engine_config.get("scheduler") or {}
+    if scheduler.get("type") not in ABSOLUTE_LR_SCHEDULERS:
+        raise ValueError(f"\"shardopt\": {{\"scale_scheduler_lr\": true}} scales the learning rates of the "
+                         f"{', '.join(ABSOLUTE_LR_SCHEDULERS)} schedulers; the config's scheduler is "
+                         f"{scheduler.get('type')!r}: remove scale_scheduler_lr")
+    default = inspect.signature(next(c for c in the_plan.cls.__mro__ if c in (Dion, SignMuon)).__init__).parameters["lr"].default
+    lrs = [group.get("lr", the_plan.options.get("lr", default)) for group in param_groups_of_model()]
+    params = scheduler.setdefault("params", {})
+    for key in ABSOLUTE_LR_SCHEDULERS[scheduler["type"]]:
+        if key not in params:
+            continue
+        if not isinstance(params[key], (int, float)) or isinstance(params[key], bool):
+            raise ValueError(f"scheduler.params.{key} must be one number with \"scale_scheduler_lr\": true (the "
+                             f"first param group's; the others are scaled to their lr), got {params[key]!r}")
+        params[key] = [params[key] / lrs[0] * lr for lr in lrs]   # exactly lr where params[key] == lrs[0]
+    the_plan.scheduler = scheduler
 
 
 def check_scheduler(scheduler: dict | None, groups: list[dict]) -> None:

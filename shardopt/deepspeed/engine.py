@@ -6,17 +6,17 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
-import os
+import sys
 
 import torch
 
 from ..comm import split_world
 from ..groups import describe_groups
 from ..optimizer import ShardOptimizer
-from . import internals
-from .config import Plan, build_param_groups, check_scheduler, load_config, plan, read_config
-from .optimizers import AgreedOverflowCheck
-from .zero import BackwardReducer, mesh_shape
+from . import internals, registration
+from .config import Plan, build_param_groups, check_scheduler, load_config, plan, read_config, scale_scheduler_lrs
+from .wiring import EngineWiring
+from .zero import mesh_shape
 
 
 def initialize(*args, **kwargs):
@@ -25,19 +25,24 @@ def initialize(*args, **kwargs):
     lr_scheduler) as deepspeed.initialize does; under fp16/bf16 `optimizer` is DeepSpeed's wrapper,
     and `shard_optimizer(engine)` is the shardopt optimizer (comm_stats, replicas_consistent)."""
     deepspeed = internals.load()
-    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    bound = inspect.signature(registration.original_initialize(deepspeed)).bind(*args, **kwargs)
     call = bound.arguments
     config, config_from_args = read_config(call)
     the_plan = plan(config, call.get("model"), call.get("mpu"), fp16_supported=internals.fp16_supported)
     if the_plan is None:
-        return deepspeed.initialize(*args, **kwargs)
+        return registration.original_initialize(deepspeed)(*args, **kwargs)
     if call.get("optimizer") is not None:
         raise ValueError(f"the config asks for the {the_plan.name} optimizer and an optimizer was passed too; "
                          f"give one: drop the config's \"optimizer\" section or the optimizer argument")
     if call.get("model") is None:
         raise ValueError("shardopt.deepspeed.initialize needs model=... to build the param groups")
+    _check_accelerate_counts_every_rank()
     built = []
     given = call.get("model_parameters") is not None
+    if given:
+        call["model_parameters"] = list(call["model_parameters"])   # read twice: the scheduler's lrs, the optimizer
+    scale_scheduler_lrs(the_plan, lambda: build_param_groups(call["model"], call.get("model_parameters"), the_plan.cls,
+                                                             the_plan.section))
 
     def build(model_parameters):    # called by the engine once the model is cast and on its device
         built.append(_build(the_plan, call["model"], model_parameters if given else None,
@@ -50,8 +55,8 @@ def initialize(*args, **kwargs):
     if config_from_args:
         call["args"] = copy.copy(call["args"])
         call["args"].deepspeed_config = None
-    engine, *rest = deepspeed.initialize(**call)
-    wire(engine, built[0])
+    engine, *rest = registration.original_initialize(deepspeed)(**call)
+    EngineWiring(engine, built[0])
     return (engine, *rest)
 
 
@@ -64,16 +69,23 @@ def engine_config(config) -> dict:
     the_plan = plan(load_config(config), fp16_supported=internals.fp16_supported)
     if the_plan is None:
         raise ValueError("the config's \"optimizer\" type must be \"Dion\" or \"SignMuon\" for shardopt")
+    if the_plan.section.get("scale_scheduler_lr"):
+        raise ValueError("\"shardopt\": {\"scale_scheduler_lr\": true} needs the model's param groups, which "
+                         "engine_config(config) does not see: call shardopt.deepspeed.register() and give DeepSpeed the "
+                         "full config (or use shardopt.deepspeed.initialize), or give the scheduler's lrs as lists")
     return the_plan.engine_config
 
 
 def client_optimizer(model, config, model_parameters=None) -> ShardOptimizer:
     """The shardopt optimizer the config asks for, built on `model`'s parameters, to hand to code that
     calls deepspeed.initialize itself (accelerator.prepare(model, optimizer, ...)); after that call
-    `attach(engine)`. Needs the process group (create the Accelerator first). The config is the full
-    one (with "optimizer", "gradient_clipping", ZeRO stage and "shardopt"); DeepSpeed must be given
-    engine_config(config)."""
-    internals.load()
+    `attach(engine)`. Before deepspeed.comm is up (e.g. before the Accelerator exists) it starts it as
+    deepspeed.initialize would (deepspeed.init_distributed(), from the launcher's environment). The config
+    is the full one (with "optimizer", "gradient_clipping", ZeRO stage and "shardopt"); DeepSpeed must be
+    given engine_config(config)."""
+    deepspeed = internals.load()
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed()
     the_plan = plan(load_config(config), model, fp16_supported=internals.fp16_supported)
     if the_plan is None:
         raise ValueError("the config's \"optimizer\" type must be \"Dion\" or \"SignMuon\" for shardopt")
@@ -86,13 +98,23 @@ def attach(engine) -> ShardOptimizer:
     With Accelerate: engine = model after accelerator.prepare (a DeepSpeedEngine)."""
     internals.load()
     optimizer = shard_optimizer(engine)
-    if not optimizer._inert:
+    if optimizer.wiring is not None:
         return optimizer
     if engine.zero_optimization_stage() != 0 or engine.gradient_clipping() != 0:
         raise ValueError(f"DeepSpeed was given ZeRO stage {engine.zero_optimization_stage()} and gradient_clipping "
                          f"{engine.gradient_clipping()}; give DeepSpeed shardopt.deepspeed.engine_config(config) "
                          f"(ZeRO stage 0, clipping 0: shardopt does both itself) and the full config to client_optimizer")
-    wire(engine, optimizer)
+    EngineWiring(engine, optimizer)
+    return optimizer
+
+
+def detach(engine) -> ShardOptimizer:
+    """Undo the wiring of `engine` (wiring.EngineWiring.detach): every attribute the plugin set on the engine
+    and DeepSpeed's fp16/bf16 wrapper restored, its gradient hooks removed; the optimizer is inert again
+    (`attach(engine)` wires it anew). Returns the shardopt optimizer."""
+    optimizer = shard_optimizer(engine)
+    if optimizer.wiring is not None:
+        optimizer.wiring.detach()
     return optimizer
 
 
@@ -117,6 +139,24 @@ def shutdown(engine=None) -> None:
     gc.collect()
 
 
+def _check_accelerate_counts_every_rank() -> None:
+    """Accelerate (and HF Trainer through it) on a machine without GPUs finds no distributed backend for
+    DeepSpeed (accelerate.state.PartialState._prepare_backend: no accelerator device, no default backend)
+    and then counts one process, so it neither splits the data nor sizes the batch for the world: every
+    rank trains on the same batches. Refused here, naming the settings that give Accelerate its backend."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or not state.is_initialized() or not torch.distributed.is_initialized():
+        return
+    processes, world = state.AcceleratorState().num_processes, torch.distributed.get_world_size()
+    if processes != world:
+        raise RuntimeError(f"Accelerate counts {processes} process(es) but {world} ranks are running: it found no "
+                           f"distributed backend for DeepSpeed on this machine (no GPU), so every rank would train on the "
+                           f"same batches. Give it one: Accelerator(deepspeed_plugin=..., kwargs_handlers="
+                           f"[InitProcessGroupKwargs(backend=\"gloo\")]); with HF Trainer, before TrainingArguments: "
+                           f"os.environ[\"ACCELERATE_USE_DEEPSPEED\"] = \"true\"; accelerate.PartialState(backend=\"gloo\") "
+                           f"and TrainingArguments(..., accelerator_config={{\"use_configured_state\": True}}) (see docs/trainers.md)")
+
+
 def _build(the_plan: Plan, model, model_parameters, check_lr_scheduler: bool) -> ShardOptimizer:
     """The optimizer on the plan's mesh: the replicate group (DeepSpeed's data-parallel group when
     there is no mesh) and, with a mesh, this rank's node group."""
@@ -132,112 +172,3 @@ def _build(the_plan: Plan, model, model_parameters, check_lr_scheduler: bool) ->
     if the_plan.section.get("verbose") and torch.distributed.get_rank() == 0:
         print(describe_groups(optimizer.param_groups))
     return optimizer
-
-
-def wire(engine, optimizer: ShardOptimizer) -> None:
-    """Turn the engine's gradient all-reduce off and fit the optimizer to DeepSpeed's fp16/bf16 wrapper."""
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-
-    if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
-        raise NotImplementedError("shardopt optimizers under DeepSpeed do not support torch_autocast with float16 "
-                                  "(its GradScaler decides to skip a step on each rank alone); use "
-                                  "\"fp16\": {\"enabled\": true} or bf16")
-    if getattr(engine, "has_moe_layers", False):
-        raise NotImplementedError("shardopt under DeepSpeed does not support MoE layers (deepspeed.moe.layer.MoE); "
-                                  "see shardopt/deepspeed/config.py")
-    engine.enable_backward_allreduce = False
-    wrapper = engine.optimizer
-    model_params = optimizer._slots()
-    if wrapper is not optimizer:
-        if not isinstance(wrapper, FP16_UnfusedOptimizer):
-            raise NotImplementedError(f"DeepSpeed wrapped the shardopt optimizer in {type(wrapper).__name__}; "
-                                      f"shardopt supports fp32, bf16 or fp16 with DeepSpeed given ZeRO stage 0")
-        for lp_params, master_params in zip(wrapper.fp16_groups, wrapper.fp32_groups):
-            optimizer.adopt_master_copies(lp_params, master_params)
-        model_params = [p for group in wrapper.fp16_groups for p in group]
-        wrapper.overflow_checker = AgreedOverflowCheck(model_params, optimizer)
-        wrapper.checkpoint_event_prologue = optimizer.checkpoint_event_prologue
-        optimizer._wrapper = wrapper
-    _wrap_backward(engine, optimizer, model_params)
-    if optimizer.zero is not None and optimizer.zero.stage >= 1:
-        _wrap_checkpoints(engine, optimizer)
-    optimizer._inert = False
-
-
-def _wrap_checkpoints(engine, optimizer) -> None:
-    """ZeRO 1/2: DeepSpeed (given stage 0) writes the optimizer state of data-parallel rank 0 only, one
-    partition. engine.save_checkpoint here also writes every rank's own state (its partition, momenta
-    averaged over the replicas first) as <dir>/<tag>/shardopt_zero_rank<rank>.safetensors, and
-    engine.load_checkpoint reads it back, so a resumed run continues the saving run's trajectory. The
-    same world size and mesh are needed to load (the file of each rank holds that rank's partition)."""
-    from ..checkpoint import load_optimizer_state, save_optimizer_state
-    save, load = engine.save_checkpoint, engine.load_checkpoint
-    save_signature = inspect.signature(internals.unwrapped(type(engine).save_checkpoint))
-
-    def own_file(directory) -> str:
-        return os.path.join(directory, f"shardopt_zero_rank{torch.distributed.get_rank()}.safetensors")
-
-    def save_checkpoint(save_dir, *args, **kwargs):
-        tag = save_signature.bind(engine, save_dir, *args, **kwargs).arguments.get("tag")
-        tag = f"global_step{engine.global_steps}" if tag is None else tag   # DeepSpeed's default tag
-        result = save(save_dir, *args, **kwargs)
-        save_optimizer_state(optimizer, own_file(os.path.join(save_dir, str(tag))))   # each rank reads its own
-        return result
-
-    def load_checkpoint(load_dir, *args, **kwargs):
-        path, client_state = load(load_dir, *args, **kwargs)
-        if path is not None:
-            own = own_file(os.path.dirname(path))
-            if not os.path.exists(own):
-                raise FileNotFoundError(f"{own} not found: the checkpoint was not written by shardopt at ZeRO stage "
-                                        f"1/2 with this world size ({torch.distributed.get_world_size()} ranks)")
-            load_optimizer_state(optimizer, own)
-        return path, client_state
-
-    save_checkpoint.__doc__, load_checkpoint.__doc__ = save.__doc__, load.__doc__
-    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
-
-
-def _wrap_backward(engine, optimizer, model_params: list[torch.Tensor]) -> None:
-    """engine.backward, plus:
-    - fp16: the loss scale. DeepSpeed 0.19 at stage 0 runs backward without it yet unscales in step
-      (deepspeedai/DeepSpeed#8393): the gradient entering the loss is set to loss_scale /
-      gradient_accumulation_steps (loss_scale without scale_wrt_gas), whatever the engine multiplies
-      the loss by, as DeepSpeed's fp16 wrapper expects when it unscales in step.
-    - ZeRO stage 2: during backward each fresh local gradient goes to its owner (zero.BackwardReducer);
-      after it the owned node means are added to the owned gradients kept from earlier micro-batches."""
-    fp16 = engine.fp16_enabled()
-    reducer = None
-    if optimizer.zero is not None and optimizer.zero.stage == 2:
-        reducer = BackwardReducer(optimizer.zero, model_params, optimizer.reduce_bucket_size)
-    if not fp16 and reducer is None:
-        return
-    original = engine.backward
-    signature = inspect.signature(internals.unwrapped(type(engine).backward))
-
-    def backward(loss, *args, **kwargs):
-        handle = None
-        if fp16:
-            scale_wrt_gas = signature.bind(engine, loss, *args, **kwargs).arguments.get("scale_wrt_gas", True)
-            factor = engine.optimizer.loss_scale / (engine.gradient_accumulation_steps() if scale_wrt_gas else 1)
-            handle = loss.register_hook(lambda grad: torch.full_like(grad, factor))
-        kept = [p.grad for p in model_params]
-        if reducer is not None:
-            for param in model_params:
-                param.grad = None
-            reducer.begin()
-        try:
-            result = original(loss, *args, **kwargs)
-        finally:
-            if handle is not None:
-                handle.remove()
-            fresh = reducer.end() if reducer is not None else None
-        if reducer is not None:
-            for slot, (param, old) in enumerate(zip(model_params, kept)):
-                new = fresh.get(slot)
-                new = None if new is None else new.view(param.shape).to(param.dtype)
-                param.grad = new if old is None else old if new is None else old.add_(new)
-        return result
-
-    backward.__doc__ = original.__doc__
-    engine.backward = backward

@@ -23,6 +23,8 @@ are still checked).
 | `optimizer.checkpoint_event_prologue()` | averages the momenta before engine.save_checkpoint |
 | `deepspeed.utils.groups._get_data_parallel_group()` | the data-parallel group (the replicate axis at stage 0) |
 | `deepspeed.comm.destroy_process_group()` | destroys the groups and drops DeepSpeed's references to them |
+| `deepspeed.initialize` (the module attribute) | replaced by `register()`; the frameworks look it up when they call it |
+| `deepspeed.init_distributed()`, `deepspeed.comm.is_initialized()` | `client_optimizer` before deepspeed.comm is up |
 | `deepspeed.accelerator.get_accelerator().is_fp16_supported()` | fp16 refused on devices without it |
 | `deepspeed.moe.layer.MoE` | MoE expert params refused |
 """
@@ -63,6 +65,8 @@ def missing_internals(deepspeed) -> list[str]:
         "FP16_UnfusedOptimizer.loss_scale": hasattr(FP16_UnfusedOptimizer, "loss_scale"),
         "deepspeed.utils.groups._get_data_parallel_group": hasattr(groups, "_get_data_parallel_group"),
         "deepspeed.comm.destroy_process_group": hasattr(deepspeed.comm, "destroy_process_group"),
+        "deepspeed.init_distributed and deepspeed.comm.is_initialized":
+            hasattr(deepspeed, "init_distributed") and hasattr(deepspeed.comm, "is_initialized"),
         "deepspeed.moe.layer.MoE": hasattr(deepspeed.moe.layer, "MoE"),
         "accelerator.is_fp16_supported": hasattr(get_accelerator(), "is_fp16_supported"),
         "deepspeed.initialize(optimizer=callable)": "optimizer" in inspect.signature(deepspeed.initialize).parameters,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from ..clipping import agreed_grad_norm, clip_grad_norm_
 from ..comm import Axis
 from ..guard import replicas_equal
 from ..optimizer import Dion, ShardOptimizer, SignMuon
@@ -17,8 +16,8 @@ class _EngineSide:
     """What a shardopt optimizer needs under a DeepSpeed engine (mixed into Dion and SignMuon).
 
     max_grad_norm: clip every replica's gradient by the same factor; 0 turns clipping off.
-    zero_stage, node_mesh: ZeRO stage (0, 1, 2) and the process group of this rank's node (the shard
-        axis of zero.py); node_mesh=None: no shard axis (stage 0, every data-parallel rank a replica).
+    zero_stage, node_mesh: ZeRO stage (0, 1, 2) and the process group of this rank's node (the "node"
+        axis of zero.py); node_mesh=None: no node axis (stage 0, every data-parallel rank a replica).
     reduce_bucket_size: stage 2, the most elements of gradients in flight to their owners during backward.
 
     Global gradient norm (clipping, and engine.get_global_grad_norm() for logging), every step:
@@ -26,7 +25,8 @@ class _EngineSide:
     (a replica is a node when there is a shard axis, else one rank). The exact norm of the averaged
     gradient would need the full-precision exchange the compression avoids; ν ≥ ‖mean g‖ (triangle
     inequality), so clipping by min(1, max_norm / (ν + 1e-6)) clips at least as often. Cost: an all-reduce
-    of one float per axis, no host sync.
+    of one float per axis, no host sync. The same path as the optimizer's max_grad_norm (shardopt/clipping.py),
+    with the node axis among the split axes at ZeRO 1/2 (`gradient_split_axes`).
     """
 
     def __init__(self, params, *args, max_grad_norm: float = 0.0, zero_stage: int = 0,
@@ -39,10 +39,9 @@ class _EngineSide:
         self.reduce_bucket_size = reduce_bucket_size
         self._global_grad_norm = None
         self.overflow = False       # read by the engine: a skipped step does not advance the LR scheduler
-        self._inert = True          # until the engine is wired (engine.wire): see step()
-        self._wrapper = None        # DeepSpeed's fp16/bf16 wrapper, when there is one
+        self.wiring = None          # the wiring.EngineWiring to its engine; until then inert: see step()
         super().__init__(params, *args, **kwargs)
-        self.node = Axis("shard", node_mesh)
+        self.node = Axis("node", node_mesh)
         # state tensors per element: AdamW keeps two moments, the others one (Dion's Q is small beside M)
         costs = [p.numel() * (2 if group["algorithm"] == "adamw" else 1) for group in self.param_groups
                  for p in group["params"]]
@@ -54,7 +53,7 @@ class _EngineSide:
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self._inert:
+        if self.wiring is None:
             # DeepSpeed's fp16/bf16 wrapper "initializes optimizer state" with a step on zero
             # gradients while the engine is being built; shardopt creates its state lazily.
             if any(bool(p.grad.any()) for p in self._slots() if p.grad is not None):
@@ -63,13 +62,13 @@ class _EngineSide:
             return None
         params = self._slots()
         if self.zero is not None:
-            if self.zero.stage < 2:    # stage 2 reduced after each backward (engine.wire)
+            if self.zero.stage < 2:    # stage 2 reduced after each backward (wiring.EngineWiring)
                 for param, grad in zip(params, self.zero.reduce_gradients([p.grad for p in params], params)):
                     param.grad = grad
             for slot, param in enumerate(params):
                 if not self.zero.owns(slot):
                     param.grad = None  # the wrapper's zeros for gradients this rank does not own
-        self._clip(params)
+        self._clip()
         skipped = self.skipped_steps
         loss = super().step(closure)
         self.overflow = self.skipped_steps != skipped    # a non-finite gradient on some replica
@@ -77,38 +76,34 @@ class _EngineSide:
             self.zero.gather_weights(params)
         return loss
 
-    def _clip(self, params) -> None:
+    def _clip(self) -> None:
         """ν (see the class doc) into _global_grad_norm; g ← g · min(1, max_norm / (ν + 1e-6))."""
-        grads = [local(p.grad) for p in params if p.grad is not None]
-        node = self.node if self.zero is not None and self.zero.stage >= 1 else Axis("shard")   # owned pieces
-        device = local(params[0]).device
-        norm = clip_grad_norm_(grads, self.max_grad_norm, self.replicate, node, device) if self.max_grad_norm > 0 \
-            else agreed_grad_norm(grads, self.replicate, node, device)
+        norm = self.clip_grad_norm_(self.max_grad_norm)
         self._global_grad_norm = norm
-        if self._wrapper is not None:
-            self._wrapper._global_grad_norm = norm
+        if self.wiring.wrapper is not None:   # what engine.get_global_grad_norm() reads under fp16/bf16
+            self.wiring.wrapper._global_grad_norm = norm
+
+    def gradient_split_axes(self) -> tuple[Axis, ...]:
+        """At ZeRO 1/2 each rank of the node holds the gradients it owns: the node axis splits the replica's gradient."""
+        owned = self.zero is not None and self.zero.stage >= 1
+        return (*super().gradient_split_axes(), *((self.node,) if owned else ()))
 
     def agreement_axes(self) -> tuple[Axis, ...]:
         """Skipping a step is agreed over the node as well (each rank checks the gradients it owns)."""
         return (*super().agreement_axes(), self.node)
-
-    def adopt_master_copies(self, model_params, master_params) -> None:
-        """DeepSpeed's fp16/bf16 wrapper swaps each param in the groups for an fp32 master copy (same
-        group, same position); the per-param bookkeeping (seeds, names, state) follows the swap."""
-        for old, new in zip(model_params, master_params):
-            self._param_index[new] = self._param_index.pop(old)
-            self._param_label[new] = self._param_label.pop(old)
-            if old in self.state:
-                self.state[new] = self.state.pop(old)
 
     def checkpoint_event_prologue(self) -> None:
         """Called by engine.save_checkpoint on every rank before the state is gathered."""
         self.synchronize_for_checkpoint()
 
     def comm_stats(self) -> dict:
-        """Bytes per axis; "shard" is the node axis of ZeRO 1/2 (the reduce-scatter and all-gather)."""
+        """Bytes per axis, with "node": ZeRO 1/2's reduce-scatter and all-gather inside a node (and the small
+        agreements over it). Deprecated, kept for one release: "shard" also counts the node's bytes, as it
+        did when the node axis was reported under that name (under DeepSpeed the FSDP shard axis is empty,
+        so "shard" equals "node"); read "node"."""
         stats = super().comm_stats()
-        stats["shard"] = {key: stats["shard"][key] + value for key, value in self.node.stats().items()}
+        stats["node"] = self.node.stats()
+        stats["shard"] = {key: stats["shard"][key] + value for key, value in stats["node"].items()}
         return stats
 
     def reset_comm_stats(self) -> None:

@@ -1,22 +1,22 @@
 """ZeRO stages 1 and 2 done by shardopt, with the compressed exchange across nodes (docs/design.md §9).
 
 The data-parallel ranks form a (replicate R, shard S) mesh; by default one replica per node
-(S = LOCAL_WORLD_SIZE). Each parameter is owned, whole, by one rank of its node (the shard axis):
+(S = LOCAL_WORLD_SIZE). Each parameter is owned, whole, by one rank of its node (the node axis):
 `placement.assign_owners` balances the optimizer state per owner (elements × state tensors per element). Whole tensors, not row blocks, so that
 the owner runs exactly the stage-0 math (Newton–Schulz and the power iteration need whole matrices;
 row blocks would change Sign-Muon's direction or add a shard-axis exchange per step), as
 microsoft/dion gives each rank whole matrices to orthogonalize. One optimizer step:
 
-    g_node = (1/S)·Σ_node g_local      reduce-scatter over the shard axis, full precision (fp32):
+    g_node = (1/S)·Σ_node g_local      reduce-scatter over the node axis, full precision (fp32):
                                        each rank gets the node mean of the params it owns
     the optimizer step on owned params the compressed exchange over the replicate axis (the same
                                        owned params on every node), state only for owned params
-    X                                  all-gather over the shard axis: every rank's weights again
+    X                                  all-gather over the node axis: every rank's weights again
 
 Stage 1 reduce-scatters at the step and keeps the full local gradient during accumulation. Stage 2
 (`BackwardReducer`) sends each gradient to its owner as soon as backward has accumulated it, drops
 it on the other ranks, and keeps only the owned gradients: at most `reduce_bucket_size` elements
-of others' gradients are in flight. Stage 0 with a mesh: an all-reduce over the shard axis, every
+of others' gradients are in flight. Stage 0 with a mesh: an all-reduce over the node axis, every
 rank keeps all state. Per-rank state ≈ 1/S of stage 0's
 (plus the imbalance of whole tensors); per-rank replicate bytes ≈ 1/S of stage 0's.
 """
@@ -53,15 +53,15 @@ def mesh_shape(mesh: tuple[int, int] | None, stage: int, world: int) -> tuple[in
 
 class ZeroPartition:
     """Which rank of the node owns each parameter (slot = position in the optimizer's param order),
-    and the two shard-axis collectives of a step. stage 0: every rank owns every slot."""
+    and the two node-axis collectives of a step. stage 0: every rank owns every slot."""
 
-    def __init__(self, shapes: list[torch.Size], shard: Axis, stage: int, costs: list[int] | None = None):
+    def __init__(self, shapes: list[torch.Size], node: Axis, stage: int, costs: list[int] | None = None):
         """costs: what each slot's optimizer state weighs (default: its element count), balanced over owners."""
-        self.shard, self.stage = shard, stage
+        self.node, self.stage = node, stage
         self.sizes = [int(torch.Size(shape).numel()) for shape in shapes]
         self.costs = costs or self.sizes
-        self.owners = assign_owners(self.costs, shard.size) if stage >= 1 else [shard.rank] * len(shapes)
-        by_owner = [[i for i, owner in enumerate(self.owners) if owner == k] for k in range(shard.size)]
+        self.owners = assign_owners(self.costs, node.size) if stage >= 1 else [node.rank] * len(shapes)
+        by_owner = [[i for i, owner in enumerate(self.owners) if owner == k] for k in range(node.size)]
         self.chunk = max(sum(self.sizes[i] for i in slots) for slots in by_owner) if stage >= 1 else sum(self.sizes)
         self.order = [i for slots in by_owner for i in slots] if stage >= 1 else list(range(len(shapes)))
         self.offsets = {}
@@ -72,11 +72,11 @@ class ZeroPartition:
                 offset += self.sizes[i]
 
     def owns(self, slot: int) -> bool:
-        return self.owners[slot] == self.shard.rank
+        return self.owners[slot] == self.node.rank
 
     def _pack(self, tensors: list[torch.Tensor | None], slots, dtype, device) -> torch.Tensor:
         """A flat buffer (S·chunk at stages 1/2, all slots at stage 0); None tensors count as zeros."""
-        flat = torch.zeros(self.chunk * (self.shard.size if self.stage >= 1 else 1), dtype=dtype, device=device)
+        flat = torch.zeros(self.chunk * (self.node.size if self.stage >= 1 else 1), dtype=dtype, device=device)
         for i in slots:
             if tensors[i] is not None:
                 flat[self.offsets[i]:self.offsets[i] + self.sizes[i]].copy_(tensors[i].reshape(-1))
@@ -93,11 +93,11 @@ class ZeroPartition:
         dtype = torch.float64 if any(g.dtype == torch.float64 for g in present) else torch.float32
         flat = self._pack(grads, self.order, dtype, present[0].device)
         if self.stage >= 1:
-            mine = self.shard.reduce_scatter(flat.view(self.shard.size, self.chunk))[0]
-            base = self.shard.rank * self.chunk
+            mine = self.node.reduce_scatter(flat.view(self.node.size, self.chunk))[0]
+            base = self.node.rank * self.chunk
         else:
-            mine, base = self.shard.all_reduce(flat), 0
-        mine.div_(self.shard.size)
+            mine, base = self.node.all_reduce(flat), 0
+        mine.div_(self.node.size)
         out = []
         for i, (grad, param) in enumerate(zip(grads, params)):
             if not self.owns(i):
@@ -109,19 +109,19 @@ class ZeroPartition:
 
     @torch.no_grad()
     def gather_weights(self, params: list[torch.Tensor]) -> None:
-        """Stages 1/2: every rank's params ← their owners' (all-gather over the shard axis, in the
+        """Stages 1/2: every rank's params ← their owners' (all-gather over the node axis, in the
         params' widest dtype, so the copy is exact)."""
-        if self.stage == 0 or self.shard.size == 1:
+        if self.stage == 0 or self.node.size == 1:
             return
         dtype = params[0].dtype
         for param in params:
             dtype = torch.promote_types(dtype, param.dtype)
         mine = [i for i in self.order if self.owns(i)]
-        base = self.shard.rank * self.chunk
+        base = self.node.rank * self.chunk
         chunk = torch.zeros(self.chunk, dtype=dtype, device=params[0].device)
         for i in mine:
             chunk[self.offsets[i] - base:self.offsets[i] - base + self.sizes[i]].copy_(params[i].reshape(-1))
-        gathered = self.shard.all_gather(chunk).reshape(-1)
+        gathered = self.node.all_gather(chunk).reshape(-1)
         for i, param in enumerate(params):
             if not self.owns(i):
                 param.copy_(gathered[self.offsets[i]:self.offsets[i] + self.sizes[i]].view(param.shape))
@@ -130,15 +130,15 @@ class ZeroPartition:
 class BackwardReducer:
     """ZeRO stage 2 during backward: when backward has accumulated a parameter's gradient (a
     post-accumulate-grad hook), the gradient (in fp32, fp64 if it is fp64) is reduced to its owner over
-    the shard axis and dropped on this rank unless it owns it; when more than `cap_elements` are in
+    the node axis and dropped on this rank unless it owns it; when more than `cap_elements` are in
     flight the oldest reduce is waited for. `end()` returns the owned slots' node means (1/S)·Σ_node.
     Every rank runs the same backward graph, so the reduces are issued in the same order everywhere."""
 
     def __init__(self, partition: ZeroPartition, params: list[torch.Tensor], cap_elements: int):
         self.partition, self.cap = partition, int(cap_elements)
         self.active, self.pending, self.in_flight, self.results = False, deque(), 0, {}
-        for slot, param in enumerate(params):
-            param.register_post_accumulate_grad_hook(functools.partial(self._ready, slot))
+        self.hooks = [param.register_post_accumulate_grad_hook(functools.partial(self._ready, slot))
+                      for slot, param in enumerate(params)]   # handles: EngineWiring.detach removes them
 
     def begin(self) -> None:
         self.active = True
@@ -151,7 +151,7 @@ class BackwardReducer:
         buffer = grad.to(torch.float64 if grad.dtype == torch.float64 else torch.float32)
         param.grad = None
         owner = self.partition.owners[slot]
-        self.pending.append((slot, buffer, self.partition.shard.reduce(buffer, owner, async_op=True)))
+        self.pending.append((slot, buffer, self.partition.node.reduce(buffer, owner, async_op=True)))
         self.in_flight += buffer.numel()
         while self.in_flight > self.cap and self.pending:
             self._complete_oldest()
@@ -161,7 +161,7 @@ class BackwardReducer:
         pending.wait()
         self.in_flight -= buffer.numel()
         if self.partition.owns(slot):   # a param may be accumulated twice (reentrant checkpointing): add
-            mean = buffer.div_(self.partition.shard.size)
+            mean = buffer.div_(self.partition.node.size)
             self.results[slot] = self.results[slot].add_(mean) if slot in self.results else mean
 
     def end(self) -> dict[int, torch.Tensor]:

@@ -1,0 +1,179 @@
+"""Every change the plugin makes to DeepSpeed objects, owned by one object that can undo it.
+
+`EngineWiring(engine, optimizer)` fits an engine that holds a shardopt optimizer (built by
+`initialize`, or handed over by `client_optimizer` and `attach`) and records each change in a
+`Patches` list; `detach()` restores every attribute it set, in reverse order, and removes the
+gradient hooks it registered, so the engine is as DeepSpeed built it (the optimizer goes back to
+inert: a step on non-zero gradients raises). What is changed, and why (shardopt/deepspeed/__init__.py):
+
+| object | attribute | change |
+|---|---|---|
+| engine | `enable_backward_allreduce` | False: backward leaves local gradients, the optimizer exchanges |
+| engine | `backward` | fp16: the loss scale (DeepSpeed#8393); ZeRO 2: each gradient reduced to its owner |
+| engine | `save_checkpoint`, `load_checkpoint` | ZeRO 1/2: each rank's own partition next to DeepSpeed's files |
+| fp16/bf16 wrapper | `overflow_checker` | a check agreed over all data-parallel ranks |
+| fp16/bf16 wrapper | `checkpoint_event_prologue` | the momenta averaged before DeepSpeed gathers the state |
+| optimizer | `wiring`; its params ↔ the wrapper's fp32 master copies | `replace_params` both ways |
+| params | post-accumulate-grad hooks | ZeRO 2 only (zero.BackwardReducer) |
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+from . import internals
+from .zero import BackwardReducer
+
+_ABSENT = object()
+
+
+class Patches:
+    """Attributes set on objects, each with what it replaced; `undo()` puts every one back (an
+    attribute that was not on the instance before is deleted, so the class's own shows again)."""
+
+    def __init__(self):
+        self._done: list[tuple[object, str, object]] = []
+
+    def set(self, obj, name: str, value) -> None:
+        self._done.append((obj, name, vars(obj).get(name, _ABSENT)))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        while self._done:
+            obj, name, old = self._done.pop()
+            if old is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+class EngineWiring:
+    """The shardopt optimizer `optimizer` fitted to `engine` (see the module doc); `detach()` undoes it."""
+
+    def __init__(self, engine, optimizer):
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+        from .optimizers import AgreedOverflowCheck
+
+        if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
+            raise NotImplementedError("shardopt optimizers under DeepSpeed do not support torch_autocast with float16 "
+                                      "(its GradScaler decides to skip a step on each rank alone); use "
+                                      "\"fp16\": {\"enabled\": true} or bf16")
+        if getattr(engine, "has_moe_layers", False):
+            raise NotImplementedError("shardopt under DeepSpeed does not support MoE layers (deepspeed.moe.layer.MoE); "
+                                      "see shardopt/deepspeed/config.py")
+        wrapper = engine.optimizer
+        if wrapper is not optimizer and not isinstance(wrapper, FP16_UnfusedOptimizer):
+            raise NotImplementedError(f"DeepSpeed wrapped the shardopt optimizer in {type(wrapper).__name__}; "
+                                      f"shardopt supports fp32, bf16 or fp16 with DeepSpeed given ZeRO stage 0")
+        self.engine, self.optimizer = engine, optimizer
+        self.wrapper = wrapper if wrapper is not optimizer else None
+        self.patches = Patches()
+        self.hooks = []
+        self.masters: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.patches.set(engine, "enable_backward_allreduce", False)
+        model_params = optimizer._slots()
+        if self.wrapper is not None:
+            self.masters = [pair for lp, fp32 in zip(wrapper.fp16_groups, wrapper.fp32_groups) for pair in zip(lp, fp32)]
+            optimizer.replace_params(self.masters)
+            model_params = [lp for lp, _ in self.masters]
+            self.patches.set(wrapper, "overflow_checker", AgreedOverflowCheck(model_params, optimizer))
+            self.patches.set(wrapper, "checkpoint_event_prologue", optimizer.checkpoint_event_prologue)
+        self._wrap_backward(model_params)
+        if optimizer.zero is not None and optimizer.zero.stage >= 1:
+            self._wrap_checkpoints()
+        self.patches.set(optimizer, "wiring", self)
+
+    def detach(self) -> None:
+        """Restore the engine, its wrapper, the params and the optimizer as they were before the wiring."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        self.patches.undo()
+        self.optimizer.replace_params([(fp32, lp) for lp, fp32 in self.masters])
+        self.masters = []
+
+    def _wrap_checkpoints(self) -> None:
+        """ZeRO 1/2: DeepSpeed (given stage 0) writes the optimizer state of data-parallel rank 0 only, one
+        partition. engine.save_checkpoint here also writes every rank's own state (its partition, momenta
+        averaged over the replicas first) as <dir>/<tag>/shardopt_zero_rank<rank>.safetensors, and
+        engine.load_checkpoint reads it back, so a resumed run continues the saving run's trajectory. The
+        same world size and mesh are needed to load (the file of each rank holds that rank's partition)."""
+        from ..checkpoint import load_optimizer_state, save_optimizer_state
+        engine, optimizer = self.engine, self.optimizer
+        save, load = engine.save_checkpoint, engine.load_checkpoint
+        save_signature = inspect.signature(internals.unwrapped(type(engine).save_checkpoint))
+
+        def own_file(directory) -> str:
+            return os.path.join(directory, f"shardopt_zero_rank{torch.distributed.get_rank()}.safetensors")
+
+        def save_checkpoint(save_dir, *args, **kwargs):
+            tag = save_signature.bind(engine, save_dir, *args, **kwargs).arguments.get("tag")
+            tag = f"global_step{engine.global_steps}" if tag is None else tag   # DeepSpeed's default tag
+            result = save(save_dir, *args, **kwargs)
+            save_optimizer_state(optimizer, own_file(os.path.join(save_dir, str(tag))))   # each rank reads its own
+            return result
+
+        def load_checkpoint(load_dir, *args, **kwargs):
+            path, client_state = load(load_dir, *args, **kwargs)
+            if path is not None:
+                own = own_file(os.path.dirname(path))
+                if not os.path.exists(own):
+                    raise FileNotFoundError(f"{own} not found: the checkpoint was not written by shardopt at ZeRO "
+                                            f"stage 1/2 with this world size ({torch.distributed.get_world_size()} "
+                                            f"ranks)")
+                load_optimizer_state(optimizer, own)
+            return path, client_state
+
+        save_checkpoint.__doc__, load_checkpoint.__doc__ = save.__doc__, load.__doc__
+        self.patches.set(engine, "save_checkpoint", save_checkpoint)
+        self.patches.set(engine, "load_checkpoint", load_checkpoint)
+
+    def _wrap_backward(self, model_params: list[torch.Tensor]) -> None:
+        """engine.backward, plus:
+        - fp16: the loss scale. DeepSpeed 0.19 at stage 0 runs backward without it yet unscales in step
+          (deepspeedai/DeepSpeed#8393): the gradient entering the loss is set to loss_scale /
+          gradient_accumulation_steps (loss_scale without scale_wrt_gas), whatever the engine multiplies
+          the loss by, as DeepSpeed's fp16 wrapper expects when it unscales in step.
+        - ZeRO stage 2: during backward each fresh local gradient goes to its owner (zero.BackwardReducer);
+          after it the owned node means are added to the owned gradients kept from earlier micro-batches."""
+        engine, optimizer = self.engine, self.optimizer
+        fp16 = engine.fp16_enabled()
+        reducer = None
+        if optimizer.zero is not None and optimizer.zero.stage == 2:
+            reducer = BackwardReducer(optimizer.zero, model_params, optimizer.reduce_bucket_size)
+            self.hooks = reducer.hooks
+        if not fp16 and reducer is None:
+            return
+        original = engine.backward
+        signature = inspect.signature(internals.unwrapped(type(engine).backward))
+
+        def backward(loss, *args, **kwargs):
+            handle = None
+            if fp16:
+                scale_wrt_gas = signature.bind(engine, loss, *args, **kwargs).arguments.get("scale_wrt_gas", True)
+                factor = engine.optimizer.loss_scale / (engine.gradient_accumulation_steps() if scale_wrt_gas else 1)
+                handle = loss.register_hook(lambda grad: torch.full_like(grad, factor))
+            kept = [p.grad for p in model_params]
+            if reducer is not None:
+                for param in model_params:
+                    param.grad = None
+                reducer.begin()
+            try:
+                result = original(loss, *args, **kwargs)
+            finally:
+                if handle is not None:
+                    handle.remove()
+                fresh = reducer.end() if reducer is not None else None
+            if reducer is not None:
+                for slot, (param, old) in enumerate(zip(model_params, kept)):
+                    new = fresh.get(slot)
+                    new = None if new is None else new.view(param.shape).to(param.dtype)
+                    param.grad = new if old is None else old if new is None else old.add_(new)
+            return result
+
+        backward.__doc__ = original.__doc__
+        self.patches.set(engine, "backward", backward)

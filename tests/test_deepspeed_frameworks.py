@@ -1,0 +1,291 @@
+"""shardopt.deepspeed.register(): frameworks that call deepspeed.initialize themselves get shardopt's optimizer
+from a DeepSpeed JSON config. Two gloo ranks (one worker pool for the module), CPU accelerator, a tiny GPT-2
+(transformers' GPT2LMHeadModel from a GPT2Config, nothing downloaded). Pinned here:
+- HF Trainer with TrainingArguments(deepspeed="ds_config.json") naming "SignMuon" (non-matrix params on Lion's vote), at
+  ZeRO 0 (every rank a replica) and ZeRO 2 (mesh 2 × 1: each rank a node of its own, so the replicate axis has
+  2 ranks): replicas bitwise identical, replicate-axis bytes per step ≤ 1/25 of an fp32 all-reduce of every
+  parameter, and Trainer's resume from its checkpoint bit-exact (4 steps straight = 2, save, resume, 2);
+- Accelerate with DeepSpeedPlugin(hf_ds_config=config) and DummyOptim: the same;
+- the docs' blocks (docs/trainers.md) run as shown; the shipped configs pass HF's and Accelerate's own config
+  processing ("auto" placeholders); register() is idempotent and unregister() restores deepspeed.initialize;
+  Accelerate counting one process (no backend found on a CPU-only machine) is refused, naming the setting;
+- Lightning's DeepSpeedStrategy is not run: it refuses any accelerator but CUDA (pinned, so the docs' reason holds).
+"""
+
+import copy
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+missing = [name for name in ("deepspeed", "transformers", "accelerate") if importlib.util.find_spec(name) is None]
+if missing:
+    pytest.skip(f"{' and '.join(missing)} not installed (pip install 'shardopt[deepspeed,hf]')", allow_module_level=True)
+
+import deepspeed  # noqa: E402  (imported before the pool forks: the workers inherit it)
+import transformers  # noqa: E402,F401
+
+import shardopt.deepspeed as sds  # noqa: E402
+from docblocks import python_block  # noqa: E402
+from shardopt.comm import collective_bytes  # noqa: E402
+from shardopt.deepspeed.config import plan  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 240
+STEPS = 4
+SIGNMUON_LION = {
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "optimizer": {"type": "SignMuon", "params": {"lr": "auto", "momentum": 0.9, "vote": "fewest_bytes"}},
+    "shardopt": {"scalar_algorithm": "lion", "scalar": {"lr": 3e-4}},
+}
+
+
+# ---- helpers run on the workers -----------------------------------------------------------------
+def _env() -> None:
+    """What torchrun would set; Accelerate's shared state given its backend on this CPU-only machine (the
+    docs' recipe), a fresh AcceleratorState for each run (each Trainer / Accelerator builds its own); and
+    shardopt registered (on the workers only)."""
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", ACCELERATE_USE_DEEPSPEED="true")
+    AcceleratorState._reset_state(reset_partial_state=False)
+    PartialState(backend="gloo")
+    sds.register()
+
+
+def _model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=4,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+class Tokens(torch.utils.data.Dataset):
+    """64 fixed random sequences (the samplers of Trainer / Accelerate give each rank its own)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _config(stage: int) -> dict:
+    config = copy.deepcopy(SIGNMUON_LION)
+    config["zero_optimization"] = {"stage": stage}
+    if stage:    # 2 ranks as 2 nodes of 1: the replicate axis is the one across nodes
+        config["shardopt"]["mesh"] = {"replicate": 2, "shard": 1}
+    return config
+
+
+def _fp32_allreduce_bytes(model) -> int:
+    return collective_bytes("all_reduce", 4 * sum(p.numel() for p in model.parameters()), dist.get_world_size())
+
+
+def _hf_trainer(directory, stage, resume):
+    """Trainer to STEPS steps, saving at STEPS/2; `resume`: from that checkpoint of an earlier run in `directory`."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    _env()
+    sent = []
+
+    class Bytes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):   # before Trainer saves at this step
+            sent.append(sds.shard_optimizer(trainer.model_wrapped).comm_stats()["replicate"]["bytes_sent"])
+
+    model = _model()
+    config = os.path.join(directory, "ds_config.json")    # as `--deepspeed ds_config.json` gives it
+    if dist.get_rank() == 0 and not resume:
+        Path(config).write_text(json.dumps(_config(stage)))
+    dist.barrier()
+    args = TrainingArguments(output_dir=directory, deepspeed=config, learning_rate=3e-3,
+                             per_device_train_batch_size=4, max_steps=STEPS, save_steps=STEPS // 2, logging_steps=1,
+                             report_to=[], disable_tqdm=True, accelerator_config={"use_configured_state": True})
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Bytes()])
+    trainer.train(resume_from_checkpoint=os.path.join(directory, f"checkpoint-{STEPS // 2}") if resume else None)
+    ours = sds.shard_optimizer(trainer.model_wrapped)
+    per_step = [b - a for a, b in zip([0] + sent, sent)]
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    result = {"weights": weights, "per_step": per_step, "consistent": ours.replicas_consistent(),
+              "allreduce": _fp32_allreduce_bytes(model), "algorithms": [g["algorithm"] for g in ours.param_groups],
+              "engine_allreduce": trainer.model_wrapped.enable_backward_allreduce,
+              "zero": ours.zero.stage if ours.zero else 0, "losses": [h["loss"] for h in trainer.state.log_history
+                                                                       if "loss" in h]}
+    trainer.model_wrapped.destroy()
+    return result
+
+
+def _hf_trainer_straight_and_resumed(directory, stage):
+    straight = _hf_trainer(directory, stage, resume=False)
+    resumed = _hf_trainer(directory, stage, resume=True)
+    straight["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(straight.pop("weights"), resumed.pop("weights")))
+    straight["resumed_per_step"] = resumed["per_step"]
+    return straight
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_hf_trainer_with_a_deepspeed_config_trains_compressed_and_resumes_bit_exact(pool2, tmp_path, stage):
+    for rank, run in enumerate(pool2.run(_hf_trainer_straight_and_resumed, str(tmp_path), stage, timeout_s=TIMEOUT_S)):
+        # steps 2 and 4: no double-averaging check (step 1), no checkpoint sync (after step 2's callback)
+        clean = [run["per_step"][1], run["per_step"][3]]
+        print(f"rank {rank} HF Trainer ZeRO {stage}: replicate B/step {clean} vs fp32 all-reduce {run['allreduce']} "
+              f"({max(clean) / run['allreduce']:.4f}); losses {run['losses']}")
+        assert run["algorithms"] == ["signmuon", "lion"] and run["zero"] == stage
+        assert run["engine_allreduce"] is False and run["consistent"]
+        assert 0 < max(clean) <= run["allreduce"] / 25
+        assert run["resumed_equal"]
+
+
+def _accelerate(directory):
+    """Accelerate's DeepSpeedPlugin with the full config and DummyOptim (the optimizer comes from the config)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+    _env()
+    config = _config(0)
+    config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1, gradient_clipping=1.0)
+    config["optimizer"]["params"]["lr"] = 3e-3
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    model = _model()
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=4)
+    engine, optimizer, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
+    ours = sds.shard_optimizer(engine)
+    first = next(iter(loader))["input_ids"]
+    gathered = [torch.empty_like(first) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, first)
+    sent = []
+    for step, batch in zip(range(STEPS), loader):
+        accelerator.backward(engine(**batch).loss)
+        sent.append(ours.comm_stats()["replicate"]["bytes_sent"])
+    accelerator.save_state(directory)
+    per_step = [b - a for a, b in zip([0] + sent, sent)]
+    result = (not torch.equal(gathered[0], gathered[1]), accelerator.num_processes, per_step, _fp32_allreduce_bytes(model),
+              ours.replicas_consistent(), engine.enable_backward_allreduce)
+    engine.destroy()
+    return result
+
+
+def test_accelerate_deepspeed_plugin_splits_the_data_and_trains_compressed(pool2, tmp_path):
+    for own_batches, processes, per_step, allreduce, consistent, engine_allreduce in pool2.run(
+            _accelerate, str(tmp_path), timeout_s=TIMEOUT_S):
+        print(f"Accelerate: replicate B/step {per_step} vs fp32 all-reduce {allreduce}")
+        assert own_batches and processes == 2
+        assert 0 < max(per_step[1:]) <= allreduce / 25 and consistent and engine_allreduce is False
+
+
+def _accelerate_without_a_backend():
+    """Accelerate as it sets itself up on a CPU-only machine: no backend, one process counted."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+    _env()
+    AcceleratorState._reset_state(reset_partial_state=True)   # as in a fresh process: Accelerate finds no backend
+    config = _config(0)
+    config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1, gradient_clipping=1.0)
+    config["optimizer"]["params"]["lr"] = 3e-3
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    model = _model()
+    try:
+        accelerator.prepare(model, DummyOptim(model.parameters()))
+    except RuntimeError as error:
+        return accelerator.num_processes, str(error)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return accelerator.num_processes, None
+
+
+def test_accelerate_counting_one_process_is_refused_naming_the_backend(pool2):
+    for processes, message in pool2.run(_accelerate_without_a_backend, timeout_s=TIMEOUT_S):
+        assert processes == 1
+        assert message and "Accelerate counts 1 process(es) but 2 ranks" in message
+        assert 'InitProcessGroupKwargs(backend="gloo")' in message and "use_configured_state" in message
+
+
+def _doc_block(heading, directory):
+    _env()
+    os.chdir(directory)
+    namespace = {"__name__": "__main__"}
+    exec(python_block("docs/trainers.md", heading), namespace)   # noqa: S102 - the docs' own code, run as shown
+    ours, stats = namespace["optimizer"], namespace["optimizer"].comm_stats()
+    return ours.replicas_consistent(), stats["replicate"]["bytes_sent"] + stats["node"]["bytes_sent"]
+
+
+@pytest.mark.parametrize("heading", ["HF Trainer with a DeepSpeed config", "Accelerate with DeepSpeed"])
+def test_the_docs_blocks_run_as_shown(pool2, tmp_path, heading):
+    """The HF block runs ZeRO 2 on one machine (one node: the node axis carries the exchange), the Accelerate
+    block ZeRO 0 (every rank a replica)."""
+    for consistent, sent in pool2.run(_doc_block, heading, str(tmp_path), timeout_s=TIMEOUT_S):
+        assert consistent and sent > 0
+
+
+def test_register_is_idempotent_and_unregister_restores_deepspeed_initialize():
+    from shardopt.deepspeed import registration
+    original = registration.original_initialize(deepspeed)
+    sds.register()
+    sds.register()
+    assert deepspeed.initialize is sds.initialize and registration.original_initialize(deepspeed) is original
+    sds.unregister()
+    assert deepspeed.initialize is original
+    sds.unregister()
+    assert deepspeed.initialize is original
+
+
+@pytest.mark.parametrize("name", ["signmuon_bf16", "signmuon_fp16", "dion_bf16", "adamw"])
+def test_the_shipped_configs_pass_hf_and_accelerate_config_processing(name, tmp_path):
+    """HF Trainer's and Accelerate's processing of the shipped configs, TrainingArguments set to the configs'
+    values: no "auto" of shardopt's (vote "fewest_bytes"), and one learning rate per scheduler field
+    ("scale_scheduler_lr" gives the groups theirs)."""
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+    path = ROOT / "integrations" / "deepspeed" / f"{name}.json"
+    config = json.loads(path.read_text())
+    params = config["optimizer"]["params"]
+    scheduler = config["scheduler"]["params"]
+    precision = {key: True for key in ("bf16", "fp16") if config.get(key, {}).get("enabled")}
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, learning_rate=params["lr"],
+                             per_device_train_batch_size=config["train_micro_batch_size_per_gpu"],
+                             max_grad_norm=config["gradient_clipping"], weight_decay=params.get("weight_decay", 0.0),
+                             adam_beta1=params.get("betas", [0.9])[0], adam_beta2=params.get("betas", [0.9, 0.999])[1],
+                             warmup_steps=scheduler["warmup_num_steps"], report_to=[], **precision)
+    hf_config = HfTrainerDeepSpeedConfig(str(path))
+    hf_config.trainer_config_process(args)
+    hf_config.trainer_config_finalize(args, _model(), num_training_steps=100)
+    DeepSpeedPlugin(hf_ds_config=str(path)).deepspeed_config_process(must_match=False)
+    the_plan = plan(hf_config.config)
+    assert the_plan is None if name == "adamw" else the_plan.options.get("vote", "auto") == "auto"
+
+
+def test_a_scheduler_lr_list_with_scale_scheduler_lr_is_refused():
+    config = json.loads((ROOT / "integrations" / "deepspeed" / "signmuon_bf16.json").read_text())
+    config["scheduler"]["params"]["warmup_max_lr"] = [0.003, 0.004]
+    with pytest.raises(ValueError, match=r"scheduler.params.warmup_max_lr must be one number with \"scale_scheduler_lr\""):
+        sds.initialize(model=_model(), config=config)
+    with pytest.raises(ValueError, match=r"scale_scheduler_lr.*needs the model's param groups"):
+        sds.engine_config(config)
+
+
+def test_lightning_deepspeed_strategy_refuses_a_cpu_so_it_is_not_tested_here():
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Linear(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def training_step(self, batch, index):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="deepspeed", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2)
+    with pytest.raises(RuntimeError, match="The DeepSpeed strategy is only supported on CUDA GPUs"):
+        trainer.fit(Linear(), data)
