@@ -7,12 +7,13 @@ the bucket as it came, so every replica keeps its own gradient: no bytes cross t
 axis in backward, and the optimizer's compressed exchange is the only one.
 """
 
-from __future__ import annotations
-
 import torch
 
+# (no `from __future__ import annotations`: DDP's register_comm_hook reads the hook's return
+# annotation and refuses a string)
 
-def _local_bucket(state, bucket) -> torch.futures.Future:
+
+def _local_bucket(state, bucket) -> torch.futures.Future[torch.Tensor]:
     """The bucket's local gradients, unchanged (DDP comm-hook signature)."""
     future = torch.futures.Future()
     future.set_result(bucket.buffer())
