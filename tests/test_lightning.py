@@ -6,7 +6,7 @@ resume bit-exact; gradient_clip_val and a missing replicate_mesh refused)."""
 
 import pytest
 
-from two_processes import check_exchange, run_docs_block
+from two_processes import check_exchange, import_without, run_docs_block
 
 pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
 SCENARIOS = "lightning_scenarios"   # the `scenarios` fixture (tests/conftest.py) runs it once for the module
@@ -38,3 +38,8 @@ def test_gradient_clip_val_and_missing_replicate_mesh_are_refused(scenarios):
         assert "gradient_clip_val=1.0" in refused["gradient_clip_val"] and \
             "max_grad_norm=1.0" in refused["gradient_clip_val"], refused
         assert "replicate_mesh=torch.distributed.group.WORLD" in refused["no_replicate_mesh"], refused
+
+
+def test_shardopt_imports_without_lightning_and_the_adapter_says_what_to_install():
+    done = import_without("shardopt.lightning", "lightning")
+    assert done.returncode == 1 and "pip install 'shardopt[lightning]'" in done.stderr, done.stderr[-2000:]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from two_processes import ROOT, check_exchange, run_docs_block
+from two_processes import ROOT, check_exchange, import_without, run_docs_block
 
 pytest.importorskip("torchtitan", reason="the [torchtitan] extra is not installed")
 SCENARIOS = "torchtitan_scenarios"   # the `scenarios` fixture (tests/conftest.py) runs it once for the module
@@ -60,3 +60,8 @@ def test_gpu_debug_script_exits_with_a_message_without_cuda(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "launch" / "torchtitan_debug.py"), "--assets", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 1 and "needs CUDA GPUs" in done.stderr and "torch.cuda.set_device" in done.stderr, done
+
+
+def test_shardopt_imports_without_torchtitan_and_the_adapter_says_what_to_install():
+    done = import_without("shardopt.torchtitan", "torchtitan")
+    assert done.returncode == 1 and "pip install 'shardopt[torchtitan]'" in done.stderr, done.stderr[-2000:]

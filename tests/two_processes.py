@@ -46,3 +46,10 @@ def check_exchange(run: dict, steps: int, saved_after: int) -> None:
     assert len(per_step) == steps and 0 < max(ordinary) <= run["fp32_all_reduce_bytes"] / 25, run
     assert not any(run["momenta_equal_between_saves"]), run
     assert run["momenta_equal_at_saves"] == [True, True], run
+
+
+def import_without(module: str, framework: str) -> subprocess.CompletedProcess:
+    """`import shardopt` then `import <module>` in a fresh interpreter where `framework` cannot be imported."""
+    code = f"import sys; sys.modules[{framework!r}] = None; import shardopt; import {module}"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
