@@ -9,7 +9,8 @@ with the LightningModule's `configure_optimizers` returning a shardopt optimizer
   the first backward): `shardopt.ddp.keep_local_gradients` installs a no-exchange comm hook. Lightning
   registers DDP comm hooks itself only on CUDA (`DDPStrategy(ddp_comm_hook=…)` is ignored on CPU), so
   the callback does it on every device. Under `ModelParallelStrategy` (FSDP2 `fully_shard` in
-  `configure_model`) FSDP2 only reduce-scatters over the shard mesh, nothing to switch off;
+  `configure_model`) FSDP2 only reduce-scatters over the mesh it is given, nothing to switch off (HSDP:
+  a (replicate, shard) mesh built there, fully_shard on "shard", the optimizer on "replicate");
 - averages the decoupled momenta (`synchronize_for_checkpoint`) whenever Lightning saves a
   checkpoint with optimizer state: in the callback's `state_dict()`, which `dump_checkpoint` calls
   before it reads the optimizers' state (`on_save_checkpoint` comes after it);

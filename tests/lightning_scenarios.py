@@ -8,7 +8,8 @@ optimizer steps, accumulate_grad_batches=2, a checkpoint at each epoch end:
   bitwise where the uninterrupted run ended (weights and optimizer state);
 - fsdp2: the same model under ModelParallelStrategy with fully_shard over its data-parallel mesh in
   configure_model (the shard axis, no replicate axis), resumed bit-exact from Lightning's distributed
-  checkpoint;
+  checkpoint; hsdp: the same with the data-parallel ranks as a (replicate, shard) = (2, 1) mesh,
+  fully_shard over "shard" and the optimizer's replicate_mesh "replicate";
 - refused: gradient_clip_val, an optimizer without replicate_mesh under DDP.
 Each rank writes its measurements to $SHARDOPT_TEST_OUT/result-<rank>.json.
 """
@@ -35,25 +36,35 @@ STEPS_PER_EPOCH, EPOCHS, ACCUMULATE, BATCH = 3, 2, 2, 4
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, fsdp: bool = False, replicate: bool = True):
+    """fsdp: None (DDP), "fsdp" (fully_shard over ModelParallelStrategy's data-parallel mesh) or "hsdp"
+    (a (replicate, shard) = (2, 1) mesh of the data-parallel ranks: fully_shard over "shard", the
+    optimizer on "replicate")."""
+
+    def __init__(self, fsdp: str | None = None, replicate: bool = True):
         super().__init__()
         torch.manual_seed(0)
         self.model = GPT(CONFIG)
-        self.fsdp, self.replicate = fsdp, replicate
+        self.fsdp, self.replicate, self.replicate_mesh = fsdp, replicate, None
 
     def configure_model(self):
-        if self.fsdp:
-            from torch.distributed.fsdp import fully_shard
-            for block in self.model.transformer.h:
-                fully_shard(block, mesh=self.device_mesh["data_parallel"])
-            fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        if not self.fsdp:
+            return
+        mesh = self.device_mesh["data_parallel"]
+        if self.fsdp == "hsdp":
+            hsdp = init_device_mesh("cpu", (mesh.size(), 1), mesh_dim_names=("replicate", "shard"))
+            mesh, self.replicate_mesh = hsdp["shard"], hsdp["replicate"]
+        for block in self.model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
 
     def training_step(self, batch):
         return self.model(*batch)[1]
 
     def configure_optimizers(self):
         groups = shardopt.param_groups(self, "signmuon", "lion", scalar_options={"lr": 1e-3})
-        replicate_mesh = dist.group.WORLD if self.replicate and not self.fsdp else None
+        replicate_mesh = self.replicate_mesh if self.fsdp else dist.group.WORLD if self.replicate else None
         return shardopt.SignMuon(groups, lr=0.02, max_grad_norm=1.0, replicate_mesh=replicate_mesh)
 
 
@@ -122,34 +133,33 @@ def bitwise_equal(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def ddp():
-    module = LitGPT()
-    trainer, optimizer, record = fit(OUT / "ddp", module)
-    params = sum(p.numel() for p in module.parameters())
-    per_step = [b - a for a, b in zip([0] + record.bytes, record.bytes)]
-    fp32_all_reduce = 2 * (dist.get_world_size() - 1) * 4 * params // dist.get_world_size()
-    final = local_tensors(module, optimizer)
-    resumed_module = LitGPT()
-    _, resumed_optimizer, _ = fit(OUT / "ddp_resumed", resumed_module, ckpt_path=OUT / "ddp" / "epoch=0-step=3.ckpt")
-    return {"steps": trainer.global_step, "params": params, "replicas_consistent": optimizer.replicas_consistent(),
-            "bytes_per_step": per_step, "fp32_all_reduce_bytes": fp32_all_reduce,
-            "momenta_equal_between_saves": record.momenta_equal_between,
-            "momenta_equal_at_saves": record.momenta_equal_at_save,
-            "resume_bit_exact": bitwise_equal(final, local_tensors(resumed_module, resumed_optimizer)),
-            "trained": not torch.equal(final[0], next(LitGPT().parameters()))}
-
-
-def fsdp2():
+def train_and_resume(kind: str | None = None) -> dict:
+    """6 steps with checkpoints after 3 and 6, then a fresh module resumed from step 3 to 6; kind: None (DDP),
+    "fsdp" or "hsdp" (ModelParallelStrategy, see LitGPT)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
-    module = LitGPT(fsdp=True)
-    trainer, optimizer, record = fit(OUT / "fsdp2", module, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+
+    def strategy():
+        return "ddp" if kind is None else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    name = kind or "ddp"
+    module = LitGPT(fsdp=kind)
+    trainer, optimizer, record = fit(OUT / name, module, strategy=strategy())
     final = local_tensors(module, optimizer)
-    resumed_module = LitGPT(fsdp=True)
-    _, resumed_optimizer, _ = fit(OUT / "fsdp2_resumed", resumed_module, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                                  ckpt_path=OUT / "fsdp2" / "epoch=0-step=3.ckpt")
-    sharded = all(hasattr(p, "to_local") for p in module.parameters())
-    return {"steps": trainer.global_step, "sharded": sharded, "shard_bytes": optimizer.comm_stats()["shard"]["bytes_sent"],
-            "resume_bit_exact": bitwise_equal(final, local_tensors(resumed_module, resumed_optimizer))}
+    resumed_module = LitGPT(fsdp=kind)
+    _, resumed_optimizer, _ = fit(OUT / f"{name}_resumed", resumed_module, strategy=strategy(),
+                                  ckpt_path=OUT / name / "epoch=0-step=3.ckpt")
+    params = sum(p.numel() for p in LitGPT().parameters())   # (the whole model: under FSDP2 module holds shards)
+    stats = optimizer.comm_stats()
+    result = {"steps": trainer.global_step, "params": params, "replicas_consistent": optimizer.replicas_consistent(),
+              "sharded": all(hasattr(p, "to_local") for p in module.parameters()),
+              "shard_bytes": stats["shard"]["bytes_sent"], "replicate_bytes": stats["replicate"]["bytes_sent"],
+              "bytes_per_step": [b - a for a, b in zip([0] + record.bytes, record.bytes)],
+              "fp32_all_reduce_bytes": 2 * (dist.get_world_size() - 1) * 4 * params // dist.get_world_size(),
+              "momenta_equal_between_saves": record.momenta_equal_between,
+              "momenta_equal_at_saves": record.momenta_equal_at_save,
+              "resume_bit_exact": bitwise_equal(final, local_tensors(resumed_module, resumed_optimizer))}
+    if kind is None:
+        result["trained"] = not torch.equal(final[0], next(LitGPT().parameters()))
+    return result
 
 
 def refused():
@@ -165,5 +175,6 @@ def refused():
 
 
 if __name__ == "__main__":
-    result = {"ddp": ddp(), "fsdp2": fsdp2(), "refused": refused()}
+    result = {"ddp": train_and_resume(), "fsdp2": train_and_resume("fsdp"), "hsdp": train_and_resume("hsdp"),
+              "refused": refused()}
     (OUT / f"result-{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))

@@ -2,7 +2,8 @@
 Lightning takes torchrun's environment): docs/trainers.md's Lightning block as written, and
 tests/lightning_scenarios.py (DDP: replicas bitwise identical, replicate bytes per step ≤ 1/25 of an
 fp32 all-reduce, momenta agreed at each save, resume bit-exact; FSDP2 through ModelParallelStrategy,
-resume bit-exact; gradient_clip_val and a missing replicate_mesh refused)."""
+resume bit-exact, and HSDP there with the compressed exchange; gradient_clip_val and a missing
+replicate_mesh refused)."""
 
 import pytest
 
@@ -29,7 +30,15 @@ def test_fsdp2_model_parallel_strategy_shards_and_resumes_bit_exact(scenarios):
     for result in scenarios:
         fsdp2 = result["fsdp2"]
         assert fsdp2["steps"] == 6 and fsdp2["sharded"] and fsdp2["shard_bytes"] > 0, fsdp2
-        assert fsdp2["resume_bit_exact"], fsdp2
+        assert fsdp2["replicate_bytes"] == 0 and fsdp2["resume_bit_exact"], fsdp2   # no replicate axis
+
+
+def test_hsdp_under_model_parallel_strategy_exchanges_one_bit_and_resumes_bit_exact(scenarios):
+    for result in scenarios:
+        hsdp = result["hsdp"]
+        assert hsdp["steps"] == 6 and hsdp["sharded"] and hsdp["replicas_consistent"], hsdp
+        check_exchange(hsdp, steps=6, saved_after=3)
+        assert hsdp["resume_bit_exact"], hsdp
 
 
 def test_gradient_clip_val_and_missing_replicate_mesh_are_refused(scenarios):
