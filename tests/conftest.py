@@ -23,3 +23,10 @@ def pool4():
     pool = WorkerPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module")
+def scenarios(request, tmp_path_factory):
+    """The two ranks' results of tests/<SCENARIOS>.py under torchrun (SCENARIOS: a name the test module sets)."""
+    from two_processes import run_scenarios
+    return run_scenarios(request.module.SCENARIOS, tmp_path_factory.mktemp(request.module.SCENARIOS))
