@@ -1,5 +1,5 @@
 """AdamW, the element-wise update for non-matrix parameters (pure, in place on lists); Lion, whose
-signs are voted over the replicate axis, is in scalar.py."""
+signs are voted over the replicate axis, is in nonmatrix.py."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""HF Transformers' Trainer (docs/design.md §5): `ShardoptCallback` and `optimizer_cls_and_kwargs`.
+"""HF Transformers' Trainer (docs/design.md §10): `ShardoptCallback` and `optimizer_cls_and_kwargs`.
 
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ShardoptCallback()],
                       optimizer_cls_and_kwargs=optimizer_cls_and_kwargs("signmuon", "lion", lr=3e-3))
@@ -35,7 +35,7 @@ except ImportError as error:   # an optional dependency: pip install 'shardopt[h
 logger = logging.getLogger("shardopt")
 OPTIMIZER_CLASSES = {"dion": Dion, "signmuon": SignMuon, "muon": SignMuon}
 # keyword arguments of optimizer_cls_and_kwargs that build the groups (shardopt.param_groups), not the optimizer
-GROUP_OPTIONS = ("matrix_options", "scalar_options", "head_names", "scalar_names", "splits")
+GROUP_OPTIONS = ("matrix_options", "nonmatrix_options", "head_names", "nonmatrix_names", "splits")
 
 
 class ShardoptCallback(TrainerCallback):
@@ -107,7 +107,7 @@ class ShardoptCallback(TrainerCallback):
 class ShardoptFactory:
     """Trainer's optimizer-factory protocol (transformers' Trainer.create_optimizer calls
     optimizer_cls()(model, **optimizer_kwargs) when optimizer_cls is not a torch Optimizer class):
-    builds shardopt.param_groups(model, matrix_algorithm, scalar_algorithm) and the optimizer, with
+    builds shardopt.param_groups(model, matrix_algorithm, nonmatrix_algorithm) and the optimizer, with
     the replicas of an initialized process group as its replicate axis."""
 
     def __init__(self, *args, **kwargs):
@@ -116,22 +116,22 @@ class ShardoptFactory:
                             "factories (create_optimizer: optimizer_cls()(model, **kwargs)); with this one, build the "
                             "optimizer yourself and pass Trainer(optimizers=(optimizer, None))")
 
-    def __call__(self, model, matrix_algorithm: str, scalar_algorithm: str, **options) -> ShardOptimizer:
+    def __call__(self, model, matrix_algorithm: str, nonmatrix_algorithm: str, **options) -> ShardOptimizer:
         group_options = {key: options.pop(key) for key in GROUP_OPTIONS if key in options}
-        groups = param_groups(model, matrix_algorithm, scalar_algorithm, **group_options)
+        groups = param_groups(model, matrix_algorithm, nonmatrix_algorithm, **group_options)
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         options.setdefault("replicate_mesh", dist.group.WORLD if several else None)
         return OPTIMIZER_CLASSES[matrix_algorithm](groups, **options)
 
 
-def optimizer_cls_and_kwargs(matrix_algorithm: str = "signmuon", scalar_algorithm: str = "lion",
+def optimizer_cls_and_kwargs(matrix_algorithm: str = "signmuon", nonmatrix_algorithm: str = "lion",
                              **options) -> tuple[type, dict]:
     """For Trainer(optimizer_cls_and_kwargs=...): a factory and its kwargs that build, from the model Trainer
-    trains, shardopt.param_groups(model, matrix_algorithm, scalar_algorithm, <GROUP_OPTIONS in options>)
+    trains, shardopt.param_groups(model, matrix_algorithm, nonmatrix_algorithm, <GROUP_OPTIONS in options>)
     and the optimizer of matrix_algorithm (Dion for "dion", SignMuon for "signmuon" and "muon") with the
     other `options` (lr, vote, max_grad_norm, …; replicate_mesh defaults to the process group's world).
     An unknown matrix_algorithm raises here; the rest is checked when Trainer builds the optimizer.""" 
     if matrix_algorithm not in OPTIMIZER_CLASSES:
         raise ValueError(f"Invalid matrix_algorithm: {matrix_algorithm!r}; allowed: "
                          f"{', '.join(map(repr, OPTIMIZER_CLASSES))}")
-    return ShardoptFactory, {"matrix_algorithm": matrix_algorithm, "scalar_algorithm": scalar_algorithm, **options}
+    return ShardoptFactory, {"matrix_algorithm": matrix_algorithm, "nonmatrix_algorithm": nonmatrix_algorithm, **options}

@@ -129,18 +129,6 @@ class ShardOptimizer(torch.optim.Optimizer):
             self._param_index[param] = len(self._param_index)
             self._param_label[param] = label
 
-    def replace_params(self, pairs) -> None:
-        """For each (old, new) pair, `new` takes `old`'s place in its group and its seed, label and
-        state (DeepSpeed's fp16/bf16 wrapper swaps params for fp32 master copies)."""
-        pairs = list(pairs)
-        for group in self.param_groups:
-            group["params"] = [dict(pairs).get(p, p) for p in group["params"]]
-        for old, new in pairs:
-            self._param_index[new] = self._param_index.pop(old)
-            self._param_label[new] = self._param_label.pop(old)
-            if old in self.state:
-                self.state[new] = self.state.pop(old)
-
     # ---- step ---------------------------------------------------------------------------------
     @torch.compiler.disable(reason="a shardopt step issues collectives and agrees on one host-read flag per step")
     @torch.no_grad()
@@ -193,8 +181,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         return (self.shard,)
 
     def replace_params(self, pairs) -> None:
-        """For each (old, new) param: `new` takes over `old`'s seed index, label and state (for a wrapper
-        that swaps the params in the groups for copies, e.g. DeepSpeed's fp32 master copies)."""
+        """Each (old, new): `new` takes `old`'s seed index, label and state (DeepSpeed's master copies)."""
         for old, new in pairs:
             self._param_index[new] = self._param_index.pop(old)
             self._param_label[new] = self._param_label.pop(old)
@@ -209,15 +196,12 @@ class ShardOptimizer(torch.optim.Optimizer):
         """The axes over which every rank must take the same branch of a step."""
         return self.axes
 
-    def _device(self) -> torch.device:
-        """Where this rank's small collectives live (its first param's device)."""
+    def _device(self) -> torch.device:   # where this rank's small collectives live
         return local(self.param_groups[0]["params"][0]).device
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch.optim's load_state_dict, its pre-hooks first, then shardopt's checks (checks.loadable:
-        every group's algorithm, each param's state keys, shapes and dtypes; ValueError naming the
-        tensor, nothing loaded; a group key the dict lacks takes this optimizer's default); matrix-group
-        state keeps the group's `state_dtype` (torch.optim would cast it to the param's dtype)."""
+        """torch.optim's, after its pre-hooks and shardopt's checks (checks.loadable: nothing loads unless
+        all fits); matrix-group state keeps its `state_dtype` (torch.optim casts to the param's dtype)."""
         state_dict = loadable(self, state_dict, registry.ALGORITHMS)
         hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, {}
         try:
@@ -226,8 +210,7 @@ class ShardOptimizer(torch.optim.Optimizer):
             self._optimizer_load_state_dict_pre_hooks = hooks
         keep_state_dtypes(self, state_dict, registry.ALGORITHMS)
 
-    def __getstate__(self) -> dict:
-        """Every setting, not only torch.optim's defaults, state and groups (deepcopy, pickle)."""
+    def __getstate__(self) -> dict:   # every setting, not only torch.optim's defaults, state, groups
         return {key: value for key, value in self.__dict__.items() if key != "_plans"}
 
     def __setstate__(self, state: dict) -> None:
@@ -236,20 +219,17 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     # ---- traffic ------------------------------------------------------------------------------
     def replicate_bytes_per_step(self, replicas: int | None = None) -> list[int]:
-        """Bytes this rank sends on the replicate axis per step, per param group, at `replicas` replicas
-        (default: this optimizer's replicate axis): the step's own code on counting axes (traffic.py).
-        The non-finite check comes on top once per step, the double-averaging check at its steps."""
+        """This rank's replicate-axis bytes per step per group at `replicas` (traffic.group_bytes); the
+        non-finite check comes on top once per step, the double-averaging check at its steps."""
         replicas = self.replicate.size if replicas is None else replicas
         return [group_bytes(group, replicas, self.bucket_bytes, self.shard, self.tensor) for group in self.param_groups]
 
     def describe(self, replicas: int | None = None) -> str:
-        """One line per param group with its replicate-axis bytes per step, and the whole model
-        against a float32 all-reduce of every parameter (traffic.describe)."""
+        """Each group's replicate-axis bytes per step, the whole model against DDP (traffic.describe)."""
         return describe(self.param_groups, self.replicate.size if replicas is None else replicas, self.bucket_bytes,
                         clipping=self.max_norm > 0, double_averaging_check_every=self.double_averaging_check_every,
                         shard=self.shard, tensor=self.tensor)
 
-    # ---- distributed helpers ------------------------------------------------------------------
     def comm_stats(self) -> dict:
         """Bytes this rank sent/received and calls issued per axis since construction (or the last reset)."""
         return {axis.name: axis.stats() for axis in self.axes}
@@ -260,9 +240,8 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def synchronize_for_checkpoint(self) -> None:
-        """Average the decoupled momenta (each record's `decoupled_momentum`: matrix groups' "momentum",
-        Lion groups' "exp_avg") over the replicate axis (one all-reduce per dtype), so a checkpoint
-        holds one momentum every replica agrees on. AdamW's moments come from averaged gradients."""
+        """Average each record's `decoupled_momentum` over the replicas (one all-reduce per dtype), so a
+        checkpoint holds momenta every replica agrees on (AdamW's come from averaged gradients)."""
         momenta = [local(self.state[p][key]) for group in self.param_groups
                    if (key := registry.algorithm(group["algorithm"]).decoupled_momentum)
                    for p in group["params"] if self.state.get(p)]

@@ -1,6 +1,6 @@
 """shardopt's optimizers in torchtitan (0.3): `ShardoptOptimizersContainer` and its `Config`,
 `shard_only(parallelize_fn)`, and `use_shardopt(trainer_config, …)` that puts both in a `Trainer.Config`
-(docs/design.md §5, docs/trainers.md).
+(docs/design.md §10, docs/trainers.md).
 
 torchtitan builds its optimizer from `config.optimizer.build(model_parts=…)` after the parallelize
 step. Its own `OptimizersContainer` knows Adam, AdamW and DistMuon; a shardopt optimizer needs `lr`
@@ -8,7 +8,7 @@ at construction and refuses the `fused` / `foreach` keys the container adds to e
 container builds one shardopt optimizer per model part (all its param groups in it, so one
 agreement per step); it
 
-- groups the params as `shardopt.param_groups(model, algorithm, scalar_algorithm, splits=…)` does, or
+- groups the params as `shardopt.param_groups(model, algorithm, nonmatrix_algorithm, splits=…)` does, or
   per regex pattern with torchtitan's `ParamGroupConfig` (`optimizer_name` is then the group's
   shardopt algorithm and `optimizer_kwargs` its options, `split` for a fused wqkv included);
 - averages the decoupled momenta (`synchronize_for_checkpoint`) in `state_dict()`, which torchtitan's
@@ -37,7 +37,7 @@ try:
     from torchtitan.components.checkpointer.utils import canonical_fqn
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.tools.logging import logger
-except ImportError as error:   # the framework is optional (docs/design.md §5)
+except ImportError as error:   # the framework is optional (docs/design.md §10)
     raise ImportError("shardopt.torchtitan needs torchtitan 0.3: pip install 'shardopt[torchtitan]'") from error
 
 import torch.distributed as dist
@@ -65,10 +65,10 @@ class ShardoptOptimizersContainer(OptimizersContainer):
         """Its constructor's keyword arguments; "lr" is required (torchtitan's lr scheduler scales it),
         e.g. {"lr": 0.02, "vote": "auto", "max_grad_norm": 1.0} or {"lr": 0.02, "rank_fraction": 0.25}."""
 
-        scalar_algorithm: Literal["lion", "adamw"] = "lion"
+        nonmatrix_algorithm: Literal["lion", "adamw"] = "lion"
         """Without param_groups: the algorithm of embeddings, heads, norms and biases ("lion": 1-bit vote)."""
 
-        scalar_options: dict[str, Any] = field(default_factory=dict)
+        nonmatrix_options: dict[str, Any] = field(default_factory=dict)
         """Without param_groups: options of the non-matrix group, e.g. {"lr": 3e-4}."""
 
         splits: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
@@ -151,8 +151,8 @@ def _check(config) -> None:
         raise ValueError(f"ShardoptOptimizersContainer.Config(options={config.options!r}) has no 'lr'; give the "
                          f"matrix params' learning rate, e.g. options={{'lr': 0.02}} (torchtitan's lr scheduler "
                          f"scales every group's lr)")
-    if config.param_groups and (config.splits or config.scalar_options):
-        raise ValueError("ShardoptOptimizersContainer.Config: splits and scalar_options build the automatic groups; "
+    if config.param_groups and (config.splits or config.nonmatrix_options):
+        raise ValueError("ShardoptOptimizersContainer.Config: splits and nonmatrix_options build the automatic groups; "
                          "with param_groups put them in each ParamGroupConfig's optimizer_kwargs "
                          "(e.g. {'split': (0, (dim, kv_dim, kv_dim))}, {'lr': 3e-4})")
     for group in config.param_groups:
@@ -165,7 +165,7 @@ def _check(config) -> None:
 def _groups(part: nn.Module, config) -> list[dict]:
     """The part's param groups with torchtitan's canonical FQNs as param_names (its checkpoint keys)."""
     if not config.param_groups:
-        groups = param_groups(part, config.algorithm, config.scalar_algorithm, scalar_options=config.scalar_options,
+        groups = param_groups(part, config.algorithm, config.nonmatrix_algorithm, nonmatrix_options=config.nonmatrix_options,
                               splits=config.splits)
         return [{**group, "param_names": [canonical_fqn(name) for name in group["param_names"]]} for group in groups]
     trainable = [name for name, p in part.named_parameters() if p.requires_grad]

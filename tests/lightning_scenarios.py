@@ -63,7 +63,7 @@ class LitGPT(L.LightningModule):
         return self.model(*batch)[1]
 
     def configure_optimizers(self):
-        groups = shardopt.param_groups(self, "signmuon", "lion", scalar_options={"lr": 1e-3})
+        groups = shardopt.param_groups(self, "signmuon", "lion", nonmatrix_options={"lr": 1e-3})
         replicate_mesh = self.replicate_mesh if self.fsdp else dist.group.WORLD if self.replicate else None
         return shardopt.SignMuon(groups, lr=0.02, max_grad_norm=1.0, replicate_mesh=replicate_mesh)
 

@@ -18,7 +18,7 @@ import shardopt
 INPUTS, HIDDEN, CLASSES, TEACHER_HIDDEN = 32, 128, 10, 64
 STEPS, BATCH = 300, 128
 ADAMW_LRS = (3e-3, 1e-2, 3e-2)
-SCALAR_LR = 1e-2
+NONMATRIX_LR = 1e-2
 TOLERANCE = 1.1          # matrix optimizers must reach the tuned AdamW loss × 1.1 or better
 
 
@@ -68,12 +68,12 @@ def train(make_optimizer, teacher):
 
 
 def dion(lr):
-    return lambda model: shardopt.Dion(shardopt.param_groups(model, "dion", scalar_options={"lr": SCALAR_LR}),
+    return lambda model: shardopt.Dion(shardopt.param_groups(model, "dion", nonmatrix_options={"lr": NONMATRIX_LR}),
                                        lr=lr, rank_fraction=0.25, weight_decay=0.0)
 
 
 def signmuon(lr):
-    return lambda model: shardopt.SignMuon(shardopt.param_groups(model, "signmuon", scalar_options={"lr": SCALAR_LR}),
+    return lambda model: shardopt.SignMuon(shardopt.param_groups(model, "signmuon", nonmatrix_options={"lr": NONMATRIX_LR}),
                                            lr=lr, weight_decay=0.0)
 
 

@@ -5,7 +5,7 @@ Two gloo ranks (one worker pool for the module), CPU accelerator. Pinned here:
   replicate-axis path (Dion(..., replicate_mesh=world) with a plain backward), weights and bytes.
 - Sign-Muon through the engine: the engine never all-reduces gradients (local gradients differ
   across ranks before the step, allreduce_gradients is never called), replicas stay bit-identical,
-  and comm_stats() equals the vote + scalar-mean byte formulas.
+  and comm_stats() equals the vote + non-matrix mean byte formulas.
 - bf16 and fp16 train (loss goes down); under fp16 the gradient carries the loss scale exactly once;
   an inf gradient on one rank skips the step on both, optimizer state and weights untouched.
 - Gradient accumulation 4 equals one step on the 4× batch; the exchange happens only at the boundary.
@@ -159,9 +159,9 @@ def _signmuon_engine_exchanges_itself():
     engine.step()
     _train(engine, 9, first=1)
     matrices = [p for p in engine.module.parameters() if p.ndim == 2]
-    scalar_bytes = 4 * sum(p.numel() for p in engine.module.parameters() if p.ndim != 2)
+    nonmatrix_bytes = 4 * sum(p.numel() for p in engine.module.parameters() if p.ndim != 2)
     per_step = sum(vote_bytes(resolve_vote("auto", p.numel(), 2), p.numel(), 2) for p in matrices) \
-        + collective_bytes("all_reduce", scalar_bytes, 2) + 2 * collective_bytes("all_reduce", 4, 2)  # + flag, norm
+        + collective_bytes("all_reduce", nonmatrix_bytes, 2) + 2 * collective_bytes("all_reduce", 4, 2)  # + flag, norm
     sent = ours.comm_stats()["replicate"]["bytes_sent"]
     return (local_grads_differ, len(engine_allreduces), engine.enable_backward_allreduce, ours.replicas_consistent(),
             sent, 10 * per_step + traffic.double_averaging_check_bytes(2), [float(p.sum()) for p in matrices])  # + step 1's
@@ -311,7 +311,7 @@ def _checkpoint_resume(directory, optimizer, precision):
     lr = params["lr"]
     scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": [0.0, 0.0], "warmup_max_lr": [lr, lr / 2],
                                                 "warmup_num_steps": 8}}
-    config = _config(optimizer, precision=precision, scheduler=scheduler, shardopt={"scalar": {"lr": lr / 2}})
+    config = _config(optimizer, precision=precision, scheduler=scheduler, shardopt={"nonmatrix": {"lr": lr / 2}})
     saving, *_ = sds.initialize(model=_model(), config=config)
     never_saved, *_ = sds.initialize(model=_model(), config=config)
     _train(saving, 5)
@@ -391,7 +391,7 @@ def test_unknown_optimizer_params_and_model_parallelism_raise_clear_errors():
 
 def _scheduler_and_passthrough():
     _env()
-    config = _config("Dion", shardopt={"scalar": {"lr": 0.001}},
+    config = _config("Dion", shardopt={"nonmatrix": {"lr": 0.001}},
                      scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 5}})
     try:
         sds.initialize(model=_model(), config=config)
@@ -527,3 +527,16 @@ def test_tiny_gpt2_trains_through_accelerate_deepspeed_plugin_with_compressed_by
     assert int(summary.group(1).replace(",", "")) > 0 and float(summary.group(2)) < 0.3
     losses = [float(x) for x in re.findall(r"loss ([\d.]+)", result.stdout)]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
+def test_shardopt_section_keys_before_0_3_still_work_with_a_deprecation_warning():
+    """"scalar_algorithm", "scalar_names", "scalar" (users' JSON configs) read as "nonmatrix_*" with a
+    DeprecationWarning; both spellings at once is an error naming both."""
+    from shardopt.deepspeed import config as ds_config
+    base = {"optimizer": {"type": "SignMuon", "params": {"lr": 1e-3}}, "train_micro_batch_size_per_gpu": 1}
+    new = ds_config.plan({**base, "shardopt": {"nonmatrix_algorithm": "lion", "nonmatrix": {"lr": 1e-2}}}).section
+    with pytest.warns(DeprecationWarning, match="'scalar' is deprecated; call it 'nonmatrix'"):
+        old = ds_config.plan({**base, "shardopt": {"scalar_algorithm": "lion", "scalar": {"lr": 1e-2}}}).section
+    assert old == new
+    with pytest.raises(ValueError, match="both 'scalar' and 'nonmatrix'"):
+        ds_config.plan({**base, "shardopt": {"scalar": {"lr": 1}, "nonmatrix": {"lr": 1}}})

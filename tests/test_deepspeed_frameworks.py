@@ -40,7 +40,7 @@ STEPS = 4
 SIGNMUON_LION = {
     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
     "optimizer": {"type": "SignMuon", "params": {"lr": "auto", "momentum": 0.9, "vote": "fewest_bytes"}},
-    "shardopt": {"scalar_algorithm": "lion", "scalar": {"lr": 3e-4}},
+    "shardopt": {"nonmatrix_algorithm": "lion", "nonmatrix": {"lr": 3e-4}},
 }
 
 

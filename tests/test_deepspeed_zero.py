@@ -63,11 +63,11 @@ def _data():
     return x, torch.sin(3 * x[:, :8])
 
 
-def _config(optimizer, stage, mesh, precision="fp32", vote=None, scalar_algorithm="adamw"):
+def _config(optimizer, stage, mesh, precision="fp32", vote=None, nonmatrix_algorithm="adamw"):
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 10**6,
               "zero_optimization": {"stage": stage},
               "optimizer": {"type": optimizer, "params": {**PARAMS[optimizer], **({"vote": vote} if vote else {})}}}
-    config["shardopt"] = {"scalar_algorithm": scalar_algorithm, **({"mesh": mesh} if mesh else {})}
+    config["shardopt"] = {"nonmatrix_algorithm": nonmatrix_algorithm, **({"mesh": mesh} if mesh else {})}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     return config
@@ -87,8 +87,8 @@ def _steps(engine, count) -> float:
     return total
 
 
-def _run(optimizer, stage, mesh, precision="fp32", vote=None, scalar_algorithm="adamw"):
-    engine, *_ = sds.initialize(model=_model(), config=_config(optimizer, stage, mesh, precision, vote, scalar_algorithm))
+def _run(optimizer, stage, mesh, precision="fp32", vote=None, nonmatrix_algorithm="adamw"):
+    engine, *_ = sds.initialize(model=_model(), config=_config(optimizer, stage, mesh, precision, vote, nonmatrix_algorithm))
     ours = sds.shard_optimizer(engine)
     mean_losses = torch.tensor([_steps(engine, 1) for _ in range(STEPS)])
     dist.all_reduce(mean_losses)
@@ -161,7 +161,7 @@ def test_zero_1_and_2_on_2_nodes_x_2_partition_state_keep_bytes_and_follow_stage
 
 def _bf16_stage2_and_client_path():
     _env()
-    run = _run("SignMuon", 2, MESH, precision="bf16", scalar_algorithm="lion")   # biases: Lion's 1-bit vote
+    run = _run("SignMuon", 2, MESH, precision="bf16", nonmatrix_algorithm="lion")   # biases: Lion's 1-bit vote
     config = _config("Dion", 1, MESH)
     engine, *_ = sds.initialize(model=_model(), config=config)
     model = _model()       # the same at stage 1 for code that calls deepspeed.initialize itself

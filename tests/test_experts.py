@@ -557,9 +557,9 @@ def test_param_groups_puts_expert_stacks_in_the_matrix_group_and_conv_kernels_ou
             self.proj = nn.Linear(6, 8)
             self.conv = nn.Conv1d(3, 5, 2)
     model = MoE()
-    matrix, scalar = shardopt.param_groups(model)
+    matrix, nonmatrix = shardopt.param_groups(model)
     assert matrix["param_names"] == ["experts", "proj.weight"]
-    assert set(scalar["param_names"]) == {"proj.bias", "conv.weight", "conv.bias"}
+    assert set(nonmatrix["param_names"]) == {"proj.bias", "conv.weight", "conv.bias"}
 
 
 def test_param_groups_splits_give_fused_projections_their_own_group():

@@ -16,7 +16,7 @@ def _train(algorithm, skip_batch, poison_step, nonfinite="skip"):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 4))
     fully_shard(model, mesh=mesh["shard"])
-    groups = shardopt.param_groups(model, algorithm, scalar_options={"lr": 1e-2})
+    groups = shardopt.param_groups(model, algorithm, nonmatrix_options={"lr": 1e-2})
     cls = shardopt.Dion if algorithm == "dion" else shardopt.SignMuon
     kwargs = {"rank_fraction": 0.5} if algorithm == "dion" else {"lr": 1e-2}
     opt = cls(groups, replicate_mesh=mesh["replicate"], nonfinite=nonfinite, **kwargs)

@@ -35,8 +35,8 @@ def build_model(seed=0, dtype=torch.float32):
     return TinyLM().to(dtype)
 
 
-def build_optimizer(model, algorithm, scalar_algorithm, seed=0):
-    groups = shardopt.param_groups(model, algorithm, scalar_algorithm, scalar_options={"lr": 3e-3, "weight_decay": 0.05})
+def build_optimizer(model, algorithm, nonmatrix_algorithm, seed=0):
+    groups = shardopt.param_groups(model, algorithm, nonmatrix_algorithm, nonmatrix_options={"lr": 3e-3, "weight_decay": 0.05})
     if algorithm == "dion":
         return shardopt.Dion(groups, lr=0.02, rank_fraction=0.5, weight_decay=0.1, seed=seed)
     return shardopt.SignMuon(groups, lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1, seed=seed)
@@ -59,10 +59,10 @@ OPTIMIZER_KINDS = [("dion", "adamw"), ("dion", "lion"), ("signmuon", "adamw"), (
 
 # ---- state_dict ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("algorithm, scalar_algorithm", OPTIMIZER_KINDS)
-def test_state_dict_round_trip_continues_bitwise_equal(algorithm, scalar_algorithm):
+@pytest.mark.parametrize("algorithm, nonmatrix_algorithm", OPTIMIZER_KINDS)
+def test_state_dict_round_trip_continues_bitwise_equal(algorithm, nonmatrix_algorithm):
     model = build_model()
-    optimizer = build_optimizer(model, algorithm, scalar_algorithm, seed=1)
+    optimizer = build_optimizer(model, algorithm, nonmatrix_algorithm, seed=1)
     run_steps(model, optimizer, 3, first_step=0)
 
     buffer = io.BytesIO()
@@ -74,7 +74,7 @@ def test_state_dict_round_trip_continues_bitwise_equal(algorithm, scalar_algorit
 
     restored = build_model(seed=123)                                 # different init, overwritten by the load
     restored.load_state_dict(checkpoint["model"])
-    reloaded = build_optimizer(restored, algorithm, scalar_algorithm, seed=99)   # Q comes from the state, not the seed
+    reloaded = build_optimizer(restored, algorithm, nonmatrix_algorithm, seed=99)   # Q comes from the state, not the seed
     reloaded.load_state_dict(checkpoint["optimizer"])
     run_steps(restored, reloaded, 3, first_step=3)                   # continue after reload
 
@@ -101,16 +101,16 @@ def test_state_dict_holds_the_documented_state_per_algorithm():
 
 # ---- LR schedulers ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("algorithm, scalar_algorithm", [("dion", "adamw"), ("signmuon", "lion")])
-def test_lambda_lr_scales_each_steps_change(algorithm, scalar_algorithm):
+@pytest.mark.parametrize("algorithm, nonmatrix_algorithm", [("dion", "adamw"), ("signmuon", "lion")])
+def test_lambda_lr_scales_each_steps_change(algorithm, nonmatrix_algorithm):
     """With weight decay 0 and the same gradients, the state does not depend on lr, so the change
     of every parameter under LambdaLR is factor(t) times the change at constant lr."""
     factors = [1.0, 0.5, 0.25, 0.0]
     models = [build_model(), build_model()]
     optimizers = []
     for model in models:
-        groups = shardopt.param_groups(model, algorithm, scalar_algorithm,
-                                       scalar_options={"lr": 3e-3, "weight_decay": 0.0},
+        groups = shardopt.param_groups(model, algorithm, nonmatrix_algorithm,
+                                       nonmatrix_options={"lr": 3e-3, "weight_decay": 0.0},
                                        matrix_options={"weight_decay": 0.0})
         cls = shardopt.Dion if algorithm == "dion" else shardopt.SignMuon
         optimizers.append(cls(groups, lr=0.02))
@@ -171,10 +171,10 @@ def test_step_with_closure_returns_loss_and_uses_its_gradients(algorithm):
     assert optimizers[0].step() is None
 
 
-@pytest.mark.parametrize("algorithm, scalar_algorithm", OPTIMIZER_KINDS)
-def test_params_without_grad_are_skipped_without_state(algorithm, scalar_algorithm):
+@pytest.mark.parametrize("algorithm, nonmatrix_algorithm", OPTIMIZER_KINDS)
+def test_params_without_grad_are_skipped_without_state(algorithm, nonmatrix_algorithm):
     model = build_model()
-    optimizer = build_optimizer(model, algorithm, scalar_algorithm)
+    optimizer = build_optimizer(model, algorithm, nonmatrix_algorithm)
     frozen = {"up.weight", "up.bias"}
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     set_gradients(model, 0)
@@ -288,7 +288,7 @@ def test_add_param_group_rejects_param_already_in_a_group():
 
 class TiedModel(nn.Module):
     """The output projection is declared before the embedding and shares its weight, under a name
-    that is not a head name, so only the tie can make it scalar."""
+    that is not a head name, so only the tie can make it non-matrix."""
 
     def __init__(self):
         super().__init__()
@@ -310,56 +310,56 @@ def names_of(group):
     return set(group["param_names"])
 
 
-def test_param_groups_classifies_embeddings_tied_heads_norms_biases_and_non_2d_as_scalar():
+def test_param_groups_classifies_embeddings_tied_heads_norms_biases_and_non_2d_as_nonmatrix():
     model = TiedModel()
     groups = shardopt.param_groups(model, "dion", "adamw")
-    matrix, scalar = groups
-    assert matrix["algorithm"] == "dion" and scalar["algorithm"] == "adamw"
+    matrix, nonmatrix = groups
+    assert matrix["algorithm"] == "dion" and nonmatrix["algorithm"] == "adamw"
     assert names_of(matrix) == {"proj.weight", "mix"}
-    assert names_of(scalar) == {"decoder.weight", "proj.bias", "conv.weight", "conv.bias", "rms.weight",
+    assert names_of(nonmatrix) == {"decoder.weight", "proj.bias", "conv.weight", "conv.bias", "rms.weight",
                                 "batch_norm.weight", "batch_norm.bias", "gate", "classifier.weight",
                                 "classifier.bias"}
     for group in groups:
         assert len(group["param_names"]) == len(group["params"])
         for name, param in zip(group["param_names"], group["params"]):
             assert model.get_parameter(name) is param
-    tied = scalar["params"][scalar["param_names"].index("decoder.weight")]
+    tied = nonmatrix["params"][nonmatrix["param_names"].index("decoder.weight")]
     assert tied is model.tok.weight
     assert sum(p is tied for g in groups for p in g["params"]) == 1
 
 
-def test_param_groups_untied_lm_head_and_options_and_scalar_names():
+def test_param_groups_untied_lm_head_and_options_and_nonmatrix_names():
     model = TinyLM()
     groups = shardopt.param_groups(model, "signmuon", "lion", matrix_options={"lr": 0.02},
-                                   scalar_options={"lr": 1e-3}, scalar_names=("down.",))
-    matrix, scalar = groups
+                                   nonmatrix_options={"lr": 1e-3}, nonmatrix_names=("down.",))
+    matrix, nonmatrix = groups
     assert names_of(matrix) == {"up.weight"}
     assert {"lm_head.weight", "embed.weight", "norm.weight", "norm.bias", "up.bias", "down.weight",
-            "down.bias"} == names_of(scalar)
-    assert (matrix["algorithm"], matrix["lr"], scalar["algorithm"], scalar["lr"]) == ("signmuon", 0.02, "lion", 1e-3)
+            "down.bias"} == names_of(nonmatrix)
+    assert (matrix["algorithm"], matrix["lr"], nonmatrix["algorithm"], nonmatrix["lr"]) == ("signmuon", 0.02, "lion", 1e-3)
     optimizer = shardopt.SignMuon(groups, lr=0.1)
     assert optimizer.param_groups[0]["lr"] == 0.02 and optimizer.param_groups[1]["lr"] == 1e-3
 
 
-@pytest.mark.parametrize("scalar_algorithm", ["adamw", "lion"])
-def test_param_groups_verbose_prints_each_groups_replicate_bytes(capsys, scalar_algorithm):
+@pytest.mark.parametrize("nonmatrix_algorithm", ["adamw", "lion"])
+def test_param_groups_verbose_prints_each_groups_replicate_bytes(capsys, nonmatrix_algorithm):
     """One line per group with its bytes per step (the traffic formulas at `replicas`), the whole
     model against a float32 all-reduce, and why params were made non-matrix."""
-    groups = shardopt.param_groups(TiedModel(), "dion", scalar_algorithm, verbose=True, replicas=4)
+    groups = shardopt.param_groups(TiedModel(), "dion", nonmatrix_algorithm, verbose=True, replicas=4)
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 5
-    matrix_numel, scalar_numel = (sum(p.numel() for p in g["params"]) for g in groups)
+    matrix_numel, nonmatrix_numel = (sum(p.numel() for p in g["params"]) for g in groups)
     matrix_bytes = collective_bytes("all_reduce", 4 * matrix_numel, 4)   # rank_fraction 1: the gradient mean
-    scalar_bytes = collective_bytes("all_reduce", 4 * scalar_numel, 4) if scalar_algorithm == "adamw" \
-        else vote_bytes(resolve_vote("auto", scalar_numel, 4), scalar_numel, 4)
+    nonmatrix_bytes = collective_bytes("all_reduce", 4 * nonmatrix_numel, 4) if nonmatrix_algorithm == "adamw" \
+        else vote_bytes(resolve_vote("auto", nonmatrix_numel, 4), nonmatrix_numel, 4)
     assert lines[0].startswith("shardopt:     dion: 2 tensors") and f"{matrix_bytes:,} B/step" in lines[0]
-    assert f"{scalar_algorithm}: 10 tensors" in lines[1] and f"{scalar_bytes:,} B/step" in lines[1]
-    total = matrix_bytes + scalar_bytes + collective_bytes("all_reduce", 4, 4)
+    assert f"{nonmatrix_algorithm}: 10 tensors" in lines[1] and f"{nonmatrix_bytes:,} B/step" in lines[1]
+    total = matrix_bytes + nonmatrix_bytes + collective_bytes("all_reduce", 4, 4)
     assert f"4 replicas: {total:,} B/step" in lines[2]
     assert lines[3].startswith(f"shardopt: double-averaging check: +{collective_bytes('all_reduce', 24, 4)} B")
     assert "embedding" in lines[4] and "norm" in lines[4]
     optimizer = shardopt.Dion(groups)
-    assert optimizer.replicate_bytes_per_step(4) == [matrix_bytes, scalar_bytes]
+    assert optimizer.replicate_bytes_per_step(4) == [matrix_bytes, nonmatrix_bytes]
     assert optimizer.describe(4).splitlines() == lines[:4]
 
 
@@ -374,7 +374,7 @@ def test_param_groups_leaves_out_empty_groups():
 
 
 @pytest.mark.parametrize("kwargs, match", [({"matrix_algorithm": "adamw"}, "matrix_algorithm"),
-                                           ({"scalar_algorithm": "dion"}, "scalar_algorithm")])
+                                           ({"nonmatrix_algorithm": "dion"}, "nonmatrix_algorithm")])
 def test_param_groups_rejects_wrong_algorithm_kind(kwargs, match):
     with pytest.raises(ValueError, match=match):
         shardopt.param_groups(TinyLM(), **kwargs)
@@ -394,10 +394,10 @@ def test_param_groups_model_trains_every_param_with_dion():
 
 # ---- bf16 ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("algorithm, scalar_algorithm", OPTIMIZER_KINDS)
-def test_bf16_params_keep_bf16_state_and_finite_updates(algorithm, scalar_algorithm):
+@pytest.mark.parametrize("algorithm, nonmatrix_algorithm", OPTIMIZER_KINDS)
+def test_bf16_params_keep_bf16_state_and_finite_updates(algorithm, nonmatrix_algorithm):
     model = build_model(dtype=torch.bfloat16)
-    optimizer = build_optimizer(model, algorithm, scalar_algorithm)
+    optimizer = build_optimizer(model, algorithm, nonmatrix_algorithm)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     run_steps(model, optimizer, 3, first_step=0)
     for name, p in model.named_parameters():
@@ -421,3 +421,15 @@ def test_same_shape_matrices_of_different_dtypes_are_all_updated():
     optimizer.step()
     assert not torch.equal(a, before[0]) and not torch.equal(b, before[1])
     assert set(optimizer.state[a]) == set(optimizer.state[b]) == {"momentum", "Q", "step"}
+
+
+def test_param_groups_scalar_keywords_before_0_3_still_work_with_a_deprecation_warning():
+    new = shardopt.param_groups(TiedModel(), "signmuon", nonmatrix_algorithm="lion", nonmatrix_options={"lr": 1e-3},
+                                nonmatrix_names=("proj",))
+    with pytest.warns(DeprecationWarning, match="scalar_options=...\\) is deprecated; use nonmatrix_options"):
+        old = shardopt.param_groups(TiedModel(), "signmuon", scalar_algorithm="lion", scalar_options={"lr": 1e-3},
+                                    scalar_names=("proj",))
+    assert [(g["algorithm"], g["param_names"], g.get("lr")) for g in old] == \
+        [(g["algorithm"], g["param_names"], g.get("lr")) for g in new]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scalar_lr'"):
+        shardopt.param_groups(TiedModel(), scalar_lr=1e-3)

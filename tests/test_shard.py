@@ -236,7 +236,7 @@ def _build_mlp():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.ReLU(), torch.nn.Linear(20, 6)).double()
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    opt = shardopt.Dion(shardopt.param_groups(model, scalar_options={"lr": 0.01}), lr=0.02, rank_fraction=0.5)
+    opt = shardopt.Dion(shardopt.param_groups(model, nonmatrix_options={"lr": 0.01}), lr=0.02, rank_fraction=0.5)
     return model, opt
 
 

@@ -19,7 +19,7 @@ def _soak(algorithm, steps, check_every):
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.LayerNorm(24),
                                 torch.nn.Linear(24, 10))
     fully_shard(model, mesh=mesh["shard"])
-    groups = shardopt.param_groups(model, algorithm, scalar_options={"lr": 3e-3})
+    groups = shardopt.param_groups(model, algorithm, nonmatrix_options={"lr": 3e-3})
     if algorithm == "dion":
         opt = shardopt.Dion(groups, lr=0.02, rank_fraction=0.25, replicate_mesh=mesh["replicate"])
     else:

@@ -36,7 +36,7 @@ def test_per_pattern_param_groups_with_a_fused_qkv_split(scenarios):
 @pytest.mark.parametrize("case, words", [
     ("no_lr", ["has no 'lr'", "options={'lr': 0.02}"]),
     ("optimizer_name", ["optimizer_name='AdamW'", "'signmuon'", "'lion'"]),
-    ("splits_beside_param_groups", ["splits and scalar_options", "optimizer_kwargs"]),
+    ("splits_beside_param_groups", ["splits and nonmatrix_options", "optimizer_kwargs"]),
     ("unmatched", ["transformer.wte.weight", "ParamGroupConfig(pattern=r'.*'"]),
     ("stock_hsdp", ["(Replicate(), Shard(dim=0))", "shard_only(parallelize_fn)"]),
     ("plain_params", ["plain tensors on 2 ranks", "replicate_mesh"]),

@@ -93,7 +93,7 @@ def _train(tmp_path, trainer_max_grad_norm: float, optimizer_options: dict, call
     trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in tokens],
                       callbacks=[ShardoptCallback()] if callbacks is None else callbacks,
                       optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(
-                          "dion", "adamw", lr=0.02, rank_fraction=0.5, scalar_options={"lr": 1e-3},
+                          "dion", "adamw", lr=0.02, rank_fraction=0.5, nonmatrix_options={"lr": 1e-3},
                           **optimizer_options))
     trainer.train()
     return trainer, [p.detach().clone() for p in model.parameters()]

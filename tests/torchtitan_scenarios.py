@@ -45,7 +45,7 @@ OUT = Path(os.environ["SHARDOPT_TEST_OUT"])
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 QKV = (0, (CONFIG.n_embd,) * 3)
 SAVE_AT, TOTAL, BATCH = 3, 6, 8
-AUTO = dict(algorithm="signmuon", options={"lr": 0.02}, scalar_options={"lr": 1e-3}, splits={"attn.c_attn": QKV})
+AUTO = dict(algorithm="signmuon", options={"lr": 0.02}, nonmatrix_options={"lr": 1e-3}, splits={"attn.c_attn": QKV})
 PATTERNS = dict(algorithm="signmuon", options={"lr": 0.02}, param_groups=[
     ParamGroupConfig(pattern=r"c_attn\.weight$", optimizer_name="signmuon", optimizer_kwargs={"split": QKV}),
     ParamGroupConfig(pattern=r"\.h\.\d+\.(attn\.c_proj|mlp)\.", optimizer_name="signmuon"),

@@ -66,7 +66,7 @@ def trainer_run(output_dir: str, resume: str | None = None):
     args = TrainingArguments(output_dir, max_steps=STEPS, save_steps=STEPS // 2, per_device_train_batch_size=4,
                              gradient_accumulation_steps=2, use_cpu=True, report_to="none", disable_tqdm=True)
     model = tiny_gpt2()
-    opt = shardopt.SignMuon(shardopt.param_groups(model, "signmuon", "lion", scalar_options={"lr": 3e-4}), lr=3e-3,
+    opt = shardopt.SignMuon(shardopt.param_groups(model, "signmuon", "lion", nonmatrix_options={"lr": 3e-4}), lr=3e-3,
                             replicate_mesh=dist.group.WORLD)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + 0.2 * step))
     tokens = torch.randint(0, 256, (128, 32), generator=torch.Generator().manual_seed(1))

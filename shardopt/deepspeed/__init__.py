@@ -16,10 +16,10 @@ arguments; the vote format with the fewest bytes (vote="auto") is spelled "fewes
 as HF Transformers and Accelerate take "auto" for their own placeholder ("auto" is still accepted
 outside them). An optional top-level "shardopt" section:
 
-    "shardopt": {"scalar_algorithm": "adamw" | "lion",
-                 "scalar_names": ["pos_emb"],       names (substrings) to treat as non-matrix
+    "shardopt": {"nonmatrix_algorithm": "adamw" | "lion",
+                 "nonmatrix_names": ["pos_emb"],       names (substrings) to treat as non-matrix
                  "head_names": ["lm_head"],         output heads (non-matrix)
-                 "scalar": {"lr": 3e-4},            options of the non-matrix group
+                 "nonmatrix": {"lr": 3e-4},            options of the non-matrix group
                  "matrix": {...},                   options of the matrix group
                  "mesh": {"replicate": R, "shard": S},   data-parallel ranks as R nodes × S ranks
                  "scale_scheduler_lr": true,        a WarmupLR-type scheduler's lr is the matrix group's;

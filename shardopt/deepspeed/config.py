@@ -7,14 +7,18 @@ import copy
 import inspect
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from ..groups import param_groups
 from ..optimizer import Dion, ShardOptimizer, SignMuon
 from .optimizers import OPTIMIZERS
 
-SHARDOPT_SECTION_KEYS = ("scalar_algorithm", "scalar_names", "head_names", "scalar", "matrix", "verbose", "mesh",
-                         "scale_scheduler_lr")
+SHARDOPT_SECTION_KEYS = ("nonmatrix_algorithm", "nonmatrix_names", "head_names", "nonmatrix", "matrix", "verbose",
+                         "mesh", "scale_scheduler_lr")
+# the "shardopt" section's keys before 0.3 (still read, with a DeprecationWarning) → their names now
+DEPRECATED_SECTION_KEYS = {"scalar_algorithm": "nonmatrix_algorithm", "scalar_names": "nonmatrix_names",
+                           "scalar": "nonmatrix"}
 # ZeRO keys that change where state or work lives and that the plugin does not do: refused, not ignored.
 REFUSED_ZERO_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "zero_hpz_partition_size",
                      "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size")
@@ -169,12 +173,20 @@ def _optimizer_options(cls, params: dict, name: str) -> dict:
 
 
 def _shardopt_section(config: dict) -> dict:
-    section = config.get("shardopt") or {}
+    section = dict(config.get("shardopt") or {})
+    for old, new in DEPRECATED_SECTION_KEYS.items():
+        if old in section:
+            if new in section:
+                raise ValueError(f"the config's \"shardopt\" section has both {old!r} and {new!r}; keep {new!r} "
+                                 f"({old!r} is its name before shardopt 0.3)")
+            warnings.warn(f"the config's \"shardopt\" key {old!r} is deprecated; call it {new!r}", DeprecationWarning,
+                          stacklevel=3)
+            section[new] = section.pop(old)
     unknown = [key for key in section if key not in SHARDOPT_SECTION_KEYS]
     if unknown:
         raise ValueError(f"the config's \"shardopt\" section has unknown key(s) {', '.join(map(repr, unknown))}; "
                          f"allowed: {', '.join(SHARDOPT_SECTION_KEYS)}")
-    return {**section, **{key: _vote_spelling(section[key]) for key in ("scalar", "matrix") if section.get(key)}}
+    return {**section, **{key: _vote_spelling(section[key]) for key in ("nonmatrix", "matrix") if section.get(key)}}
 
 
 def _vote_spelling(options: dict) -> dict:
@@ -193,9 +205,9 @@ def build_param_groups(model, model_parameters, cls, section: dict) -> list:
             raise NotImplementedError("a param group is marked \"moe\": True (DeepSpeed expert parameters); shardopt "
                                       "under DeepSpeed does not support MoE expert parameters")
         return groups
-    options = {"scalar_algorithm": section.get("scalar_algorithm", "adamw"),
-               "matrix_options": section.get("matrix"), "scalar_options": section.get("scalar"),
-               "scalar_names": tuple(section.get("scalar_names", ()))}
+    options = {"nonmatrix_algorithm": section.get("nonmatrix_algorithm", "adamw"),
+               "matrix_options": section.get("matrix"), "nonmatrix_options": section.get("nonmatrix"),
+               "nonmatrix_names": tuple(section.get("nonmatrix_names", ()))}
     if "head_names" in section:
         options["head_names"] = tuple(section["head_names"])
     groups = param_groups(model, cls.matrix_algorithm, **options)
