@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .groups import param_groups
-from .hyperparams import ALGORITHMS
+from .registry import ALGORITHMS
 from .optimizer import Dion, SignMuon
 from .placement import is_dtensor
 

@@ -132,7 +132,7 @@ def _dion_run(rank_fraction, mesh_kind, wire_dtype="float32", steps=20, check_at
 
 
 def _bucket_seed(first_index, step):
-    """The seed ShardOptimizer._matrix_step passes for a bucket whose first param has index
+    """The seed ShardOptimizer passes a bucket step (plan.group_steps) whose first param has index
     `first_index`, at the bucket's step count `step` (1 on the first step)."""
     param_seed = (OPT_SEED * 1_000_003 + first_index) % 2**63
     return (param_seed * 1_000_003 + step) % 2**63
