@@ -48,6 +48,23 @@ def assert_steady_bytes_small(step_bytes: list[int], params: int):
     assert steady and all(0 < sent <= allreduce / RATIO for sent in steady), (steady, allreduce)
 
 
+@pytest.fixture(autouse=True)
+def one_process_of_its_own(monkeypatch):
+    """The single-process Trainer / Accelerate tests run in pytest's own process: no launcher variables
+    left by another module's framework (HF with a DeepSpeed config sets RANK, WORLD_SIZE, MASTER_ADDR …),
+    and no process group or Accelerate state left behind for the modules after (their worker pools fork
+    this process)."""
+    import torch.distributed as dist
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def test_trainer_ddp_docs_block_trains_and_resume_is_bit_exact(tmp_path):
     ranks = torchrun("hf", "HF Trainer", tmp_path)
     for result in ranks:
