@@ -66,7 +66,8 @@ class Campaign:
     def finish(self, logs: str) -> None:
         """Stop with the failed runs' labels, if any (their logs under `logs`)."""
         if self.failed:
-            raise SystemExit(f"these runs failed (their rows are missing; logs under {logs}):\n" + "\n".join(self.failed))
+            raise SystemExit(f"these runs failed (their rows are missing; logs under {logs}):\n"
+                             + "\n".join(self.failed))
 
 
 # ---- resume: running, or reading back a finished run -----------------------------------------

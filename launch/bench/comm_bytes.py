@@ -6,13 +6,13 @@
 Models (built on the meta device: shapes only, no memory): the demo GPT of integrations/ (byte and
 BPE-4096 vocabularies; tied head), GPT-2 small and medium shapes (no biases; tied head), and
 Llama-3-8B shapes (GQA, SwiGLU, untied 128256×4096 head). The parameters are split by
-`shardopt.param_groups` (embeddings, head, norms → the scalar group; 2-D weights → the matrix
+`shardopt.param_groups` (embeddings, head, norms → the non-matrix group; 2-D weights → the matrix
 group), exactly as a user's run would split them; tied weights count once.
 
 Methods: DDP fp32 and DDP bf16 (a ring all-reduce of every gradient: what users run today),
 Dion at rank_fraction 1/4 and 1/16 (bf16 and fp32 wire), Sign-Muon (vote "auto"); each shardopt
-method with AdamW (full-precision mean) or Lion (1-bit vote) for the scalar group. Formula rows
-come from `shardopt.traffic` (the functions the communication layer counts with, on the buckets
+method with AdamW (full-precision mean) or Lion (1-bit vote) for the non-matrix group (the `scalar`
+column). Formula rows come from `shardopt.traffic` (the functions the communication layer counts with, on the buckets
 the optimizer forms) and include the step's non-finite check; measured rows run one real step on
 gloo processes for the two demo GPTs and read `comm_stats()`, less the double-averaging check that
 step 1 (and every N-th step after) adds: `measured == formula` must hold.

@@ -6,10 +6,10 @@ vs Lion (1-bit majority vote) for the embeddings, norms and tied head, under Dio
 
 The GPT of integrations/fsdp/train.py on BPE-4096 Shakespeare (the tied embedding/head is 40 % of
 its 1.3 M parameters), 2 replicas × 2 FSDP2 shards, equal steps and tokens for every run. Protocol:
-four scalar learning rates (half-decades) per (matrix optimizer, scalar algorithm) at seed 0; the best of them
-(lowest final val loss) is run again at seed 1; results/scalar_quality.csv reports per (matrix
-optimizer, scalar algorithm) every lr's seed-0 loss, the best lr's two seeds, their mean and the
-ratio to AdamW's mean. A finished run in runs/scalar_quality/ is reused (an interrupted sweep resumes).
+four non-matrix learning rates (half-decades) per (matrix optimizer, non-matrix algorithm) at seed 0;
+the best of them (lowest final val loss) is run again at seed 1; results/scalar_quality.csv reports
+per (matrix optimizer, non-matrix algorithm) every lr's seed-0 loss, the best lr's two seeds, their
+mean and the ratio to AdamW's mean. A finished run in runs/scalar_quality/ is reused (an interrupted sweep resumes).
 """
 
 from __future__ import annotations
