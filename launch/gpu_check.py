@@ -9,7 +9,7 @@
    shapes: torch.optim.Muon beside shardopt's Muon, Sign-Muon (bf16 Newton–Schulz, the CUDA
    default) and Dion 1/4. Median step time over `--rounds` after two warm-up steps; peak memory
    of a step above the memory held before it (torch.cuda.max_memory_allocated), and the state.
-3. Newton–Schulz eager vs torch.compile in bf16 (launch/bench_compile.py).
+3. Newton–Schulz eager vs torch.compile in bf16 (launch/bench/polar_compile.py).
 Every row carries the device name. Writes results/gpu_check.csv and results/compile_cuda.csv.
 Without CUDA it prints why and exits 0 having run nothing (SKIP, not a pass).
 """
@@ -28,12 +28,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # a bare GPU machine may not have the package installed: use this checkout's
+sys.path.insert(1, str(ROOT / "launch" / "bench"))   # the benchmarks whose shapes and timing this reuses
 
 import shardopt  # noqa: E402
 
-from bench_compile import SHAPES as COMPILE_SHAPES, measure as measure_compile  # noqa: E402
-from bench_memory import LLAMA_1B_LAYER, LLAMA_1B_LAYERS  # noqa: E402
-from bench_step import SHAPES as GPT2_LAYER  # noqa: E402
+from polar_compile import SHAPES as COMPILE_SHAPES, measure as measure_compile  # noqa: E402
+from step_memory import LLAMA_1B_LAYER, LLAMA_1B_LAYERS  # noqa: E402
+from step_time import SHAPES as GPT2_LAYER  # noqa: E402
 from results_table import write_csv  # noqa: E402
 
 MODELS = {"gpt2-small": GPT2_LAYER * 12, "llama-3.2-1b": LLAMA_1B_LAYER * LLAMA_1B_LAYERS}

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch" / "bench"))
 from workers import WorkerPool  # noqa: E402
 
+import campaign  # noqa: E402
 import convergence  # noqa: E402
 import runs  # noqa: E402
 import slowlink  # noqa: E402
@@ -128,10 +129,10 @@ def test_csv_schemas_are_the_issues_columns_with_the_scalar_lr_and_write_csv_rej
     assert runs.CONVERGENCE_FIELDS == ["method", "lr", "scalar_lr", "seed", "steps", "final_val_loss",
                                        "replicate_bytes_total"]
     good = dict(zip(runs.CONVERGENCE_FIELDS, ["dion_1/4", "0.02", "0.03", 0, 10, "3.1", 100]))
-    runs.write_csv(tmp_path / "c.csv", runs.CONVERGENCE_FIELDS, [good])
-    assert runs.read_csv(tmp_path / "c.csv") == [{k: str(v) for k, v in good.items()}]
+    campaign.write_csv(tmp_path / "c.csv", runs.CONVERGENCE_FIELDS, [good])
+    assert campaign.read_csv(tmp_path / "c.csv") == [{k: str(v) for k, v in good.items()}]
     with pytest.raises(ValueError, match="schema"):
-        runs.write_csv(tmp_path / "bad.csv", runs.CONVERGENCE_FIELDS, [{**good, "extra": 1}])
+        campaign.write_csv(tmp_path / "bad.csv", runs.CONVERGENCE_FIELDS, [{**good, "extra": 1}])
     unlimited = slowlink.row(runs.methods(64)[0], math.inf, 1, 3e-3, 0.03, runs.summarize(_rows([(2, 100, 10, 4.0)])),
                              3.0)
     assert list(unlimited) == runs.SLOWLINK_FIELDS and unlimited["time_to_target_s"] == "inf"
@@ -155,12 +156,12 @@ def test_a_campaign_replaces_its_rows_and_keeps_the_others():
             {"method": "a", "rate_mbit": "10", "procs_per_node": "2", "x": "old"}]
     new = [{"method": "a", "rate_mbit": "10", "procs_per_node": 1, "x": "new"},
            {"method": "b", "rate_mbit": "10", "procs_per_node": 1, "x": "new"}]
-    assert [(r["procs_per_node"], r["x"]) for r in runs.merged(kept, new, slowlink.SLOWLINK_KEY)] == \
+    assert [(r["procs_per_node"], r["x"]) for r in campaign.merged(kept, new, slowlink.SLOWLINK_KEY)] == \
         [("2", "old"), (1, "new"), (1, "new")]
 
 
 def test_link_tx_bytes_sums_every_interface_but_loopback(tmp_path):
-    sys.path.insert(0, str(runs.ROOT / "integrations"))
+    sys.path.insert(0, str(campaign.ROOT / "integrations"))
     import netdev
     dev = tmp_path / "dev"
     dev.write_text("Inter-|   Receive |  Transmit\n face |bytes packets|bytes packets\n"
@@ -194,10 +195,10 @@ def test_best_table_picks_the_setting_with_the_lowest_mean_over_seeds():
 def test_methods_pass_their_scalar_lr_and_a_one_lr_method_refuses_one(tmp_path):
     by_name = {m.name: m for m in runs.methods(64)}
     argv = by_name["ddp_adamw"].command(1e-3, None, 0, tmp_path, [], 2, 1)
-    assert argv[argv.index("--scalar-lr") + 1] == f"{by_name['ddp_adamw'].scalar_lr:g}"      # the default, explicit
+    assert argv[argv.index("--nonmatrix-lr") + 1] == f"{by_name['ddp_adamw'].scalar_lr:g}"      # the default, explicit
     argv = by_name["signmuon_lion"].command(1e-3, 0.02, 0, tmp_path, [], 2, 1)
-    assert argv[argv.index("--scalar-lr") + 1] == "0.02"
-    assert "--scalar-lr" not in by_name["signsgd"].command(1e-3, None, 0, tmp_path, [], 2, 1)
+    assert argv[argv.index("--nonmatrix-lr") + 1] == "0.02"
+    assert "--nonmatrix-lr" not in by_name["signsgd"].command(1e-3, None, 0, tmp_path, [], 2, 1)
     with pytest.raises(ValueError, match="scalar_lr must be None"):
         by_name["signsgd"].command(1e-3, 0.02, 0, tmp_path, [], 2, 1)
     assert runs.local_run_dir(tmp_path, by_name["ddp_adamw"], 1e-3, 0.02, 1, 2).name == "ddp_adamw_lr0.001_slr0.02_seed1_p2"
@@ -210,31 +211,31 @@ def test_a_finished_run_is_read_back_only_with_the_same_arguments_and_code(tmp_p
 
     def start():
         started.append(1)
-    assert runs._reusable_run(["--lr", "1"], log, True, start) and len(started) == 1
-    assert not runs._reusable_run(["--lr", "1"], log, True, start) and len(started) == 1     # read back
-    assert runs._reusable_run(["--lr", "2"], log, True, start) and len(started) == 2         # other arguments
-    assert runs._reusable_run(["--lr", "2"], log, False, start) and len(started) == 3        # reuse off
-    monkeypatch.setattr(runs, "code_version", lambda: "other code")
-    assert runs._reusable_run(["--lr", "2"], log, True, start) and len(started) == 4         # other code
+    assert campaign._reusable_run(["--lr", "1"], log, True, start) and len(started) == 1
+    assert not campaign._reusable_run(["--lr", "1"], log, True, start) and len(started) == 1     # read back
+    assert campaign._reusable_run(["--lr", "2"], log, True, start) and len(started) == 2         # other arguments
+    assert campaign._reusable_run(["--lr", "2"], log, False, start) and len(started) == 3        # reuse off
+    monkeypatch.setattr(campaign, "code_version", lambda: "other code")
+    assert campaign._reusable_run(["--lr", "2"], log, True, start) and len(started) == 4         # other code
 
 
 def test_a_failed_run_leaves_no_done_marker_so_it_is_run_again(tmp_path):
     log = tmp_path / "run" / "log.txt"
     log.parent.mkdir()
-    runs._reusable_run(["--lr", "1"], log, True, lambda: None)
+    campaign._reusable_run(["--lr", "1"], log, True, lambda: None)
 
     def fail():
         raise RuntimeError("run failed")
     with pytest.raises(RuntimeError):
-        runs._reusable_run(["--lr", "2"], log, True, fail)
-    assert not (log.parent / "done").exists() and not runs.finished(log.parent, ["--lr", "1"])
+        campaign._reusable_run(["--lr", "2"], log, True, fail)
+    assert not (log.parent / "done").exists() and not campaign.finished(log.parent, ["--lr", "1"])
 
 
 def test_rows_are_retargeted_from_the_curve_of_their_own_run(tmp_path):
     out = slowlink.run_dir(tmp_path, 1, 100.0, "dion_1/4")
     out.mkdir(parents=True)
     metrics = _rows([(2, 100, 10, 4.0), (4, 100, 10, 3.0)])
-    runs.write_csv(out / "metrics.csv", list(metrics[0]), metrics)
+    campaign.write_csv(out / "metrics.csv", list(metrics[0]), metrics)
     row = {"method": "dion_1/4", "rate_mbit": "100", "procs_per_node": "1", "steps": "4", "final_val_loss": "3.0000",
            "time_to_target_s": "0.2"}
     assert slowlink.retargeted([row], {1: 3.5}, tmp_path)[0]["time_to_target_s"] == "0.4"

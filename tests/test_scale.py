@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---- transient memory ---------------------------------------------------------------------------
 def _memory_rows(*args):
-    done = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_memory.py"), "--json", *args],
+    done = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "step_memory.py"), "--json", *args],
                           capture_output=True, text=True, timeout=3000, check=True)
     return {(row["algorithm"], row["matrices"]): row for row in json.loads(done.stdout.strip().splitlines()[-1])}
 

@@ -2,6 +2,7 @@
 accumulation and clipping), logs (CSV, TensorBoard), and resumes exactly, lr scheduler included."""
 
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -122,6 +123,25 @@ def test_bad_accumulation_or_clip_is_a_clear_error(data_dir, option, value):
     command = [sys.executable, str(TRAIN), "--data-dir", str(data_dir), option, value]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode != 0 and f"{option} {int(value) if option == '--grad-accum' else float(value)}" in done.stderr
+
+
+def test_config_file_over_the_defaults_and_the_command_line_over_it(data_dir, tmp_path):
+    """A --config JSON overrides the defaults files (integrations/gpt.json, fsdp/defaults.json), the command
+    line overrides the config; a key no defaults file has is a clear error; the old --scalar-* spellings set
+    the --nonmatrix-* options, with one deprecation warning. (A world of one: plain python, no torchrun.)"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    config = tmp_path / "run.json"
+    config.write_text('{"steps": 2, "nonmatrix_lr": 0.5, "optimizer": "signmuon"}')
+    command = [sys.executable, str(TRAIN), "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "out"), *TINY,
+               "--config", str(config), "--scalar-lr", "0.02"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["steps"], summary["optimizer"], summary["scalar_lr"]) == (2, "signmuon", 0.02)
+    assert done.stderr.count("DeprecationWarning: --scalar-lr is renamed --nonmatrix-lr") == 1
+    config.write_text('{"stepz": 2}')
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert done.returncode != 0 and "unknown keys ['stepz']" in done.stderr
 
 
 def test_overlay_plot_of_several_runs(tmp_path):

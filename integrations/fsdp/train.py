@@ -10,7 +10,7 @@ q/k/v and fc weights, RowwiseParallel on the projections; the T ranks read the s
 FSDP2 shards every block and the root over the shard axis (it reduce-scatters gradients there, as usual); nobody averages
 gradients over the replicate axis except the optimizer, which exchanges them in its own
 compressed form (Dion: low-rank factors; Sign-Muon: a 1-bit majority vote). Embeddings,
-norms and the (tied) output head use --scalar-algorithm: AdamW with a full-precision mean
+norms and the (tied) output head use --nonmatrix-algorithm: AdamW with a full-precision mean
 (default) or Lion with a 1-bit majority vote, the same in every run, so
 the baselines differ only in the optimizer of the 2-D weights:
 
@@ -32,14 +32,12 @@ Everyday options: --bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 weights
 optimizer state), --grad-accum N (N micro-batches per step; FSDP2 reduce-scatters on the last one
 only), --clip MAX (the optimizer's max_grad_norm: every rank scales its gradients by the same
 factor, from a norm agreed over replicas and shards; docs/design.md §5). The lr schedule is a torch.optim.lr_scheduler.LambdaLR (linear warm-up, cosine to 10%) saved in every
-checkpoint.
+checkpoint. Defaults: integrations/gpt.json (model, data, schedule; shared with launch/bench/train_ddp.py)
+and integrations/fsdp/defaults.json (the rest); --config FILE.json overrides them, the command line both.
 """
 
 import argparse
-import csv
-import datetime
 import json
-import math
 import os
 import sys
 import time
@@ -47,9 +45,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 try:
@@ -57,86 +52,72 @@ try:
 except ImportError as error:
     raise SystemExit(f"train.py needs the 'train' extra ({error}): pip install -e '.[train]'") from error
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: model.py, data.py, netdev.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: model.py, data.py, training.py
+import checkpoint  # noqa: E402  (integrations/fsdp/checkpoint.py, beside this script, as world.py)
 import data  # noqa: E402
 import shardopt  # noqa: E402
+import training  # noqa: E402
+import world  # noqa: E402  (integrations/fsdp/world.py)
 from shardopt.vote import resolve_vote  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from netdev import link_tx_bytes  # noqa: E402
 
 started = time.perf_counter()
 
-# ---- command line ------------------------------------------------------------------------------
-DEFAULT_LR = {"adamw": 3e-3, "muon": 0.02, "dion": 0.02, "signmuon": 3e-3}
+# ---- command line over --config over the defaults files ----------------------------------------
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--replicate", type=int, default=None, help="replicas (data parallel, optimizer-compressed); "
+parser.add_argument("--replicate", type=int, help="replicas (data parallel, optimizer-compressed); "
                     "default: world size / --shard")
-parser.add_argument("--shard", type=int, default=1, help="FSDP2 shard ranks per replica")
-parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per shard rank (innermost mesh dim)")
-parser.add_argument("--optimizer", choices=sorted(DEFAULT_LR), default="dion")
-parser.add_argument("--lr", type=float, default=None, help=f"lr of the 2-D weights; default by optimizer {DEFAULT_LR}")
-parser.add_argument("--scalar-algorithm", choices=("adamw", "lion"), default="adamw", help="embeddings, norms and "
-                    "head: AdamW (full-precision gradient mean) or Lion (1-bit majority vote over the replicas)")
-parser.add_argument("--scalar-lr", type=float, default=None, help="lr of embeddings, norms and head; default "
-                    "3e-3 (adamw), 1e-2 (lion)")
-parser.add_argument("--scalar-betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("BETA1", "BETA2"),
-                    help="betas of the non-matrix group (AdamW's, or Lion's interpolation and momentum)")
-parser.add_argument("--wire-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+parser.add_argument("--shard", type=int, help="FSDP2 shard ranks per replica")
+parser.add_argument("--tp", type=int, help="tensor-parallel ranks per shard rank (innermost mesh dim)")
+parser.add_argument("--optimizer", choices=("adamw", "dion", "muon", "signmuon"), help="of the 2-D weights (above)")
+parser.add_argument("--lr", type=float, help="lr of the 2-D weights; default by optimizer "
+                    "(lr_by_optimizer in integrations/fsdp/defaults.json)")
+parser.add_argument("--weight-decay", type=float, help="weight decay of the 2-D weights")
+parser.add_argument("--rank-fraction", type=float, help="dion: rank / min(m, n)")
+parser.add_argument("--mu", type=float, help="dion: error-feedback momentum")
+parser.add_argument("--wire-dtype", choices=("bfloat16", "float32"),
                     help="dion: precision of the low-rank factors on the replicate axis")
-parser.add_argument("--weight-decay", type=float, default=0.01, help="weight decay of the 2-D weights")
-parser.add_argument("--rank-fraction", type=float, default=0.25, help="dion: rank / min(m, n)")
-parser.add_argument("--mu", type=float, default=0.95, help="dion: error-feedback momentum")
-parser.add_argument("--momentum", type=float, default=0.95, help="signmuon, muon: EMA momentum")
-parser.add_argument("--ns-steps", type=int, default=5, help="signmuon, muon: Newton–Schulz steps")
-parser.add_argument("--vote", default="auto", choices=shardopt.VOTE_FORMATS + ("auto",),
-                    help="signmuon: wire format of the majority vote")
-parser.add_argument("--n-layer", type=int, default=4)
-parser.add_argument("--n-head", type=int, default=4)
-parser.add_argument("--n-embd", type=int, default=128)
-parser.add_argument("--block-size", type=int, default=64, help="context length")
-parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-batch")
-parser.add_argument("--grad-accum", type=int, default=1, metavar="N", help="gradient accumulation: micro-batches per "
+parser.add_argument("--momentum", type=float, help="signmuon, muon: EMA momentum")
+parser.add_argument("--ns-steps", type=int, help="signmuon, muon: Newton–Schulz steps")
+parser.add_argument("--vote", choices=shardopt.VOTE_FORMATS + ("auto",), help="signmuon: wire format of the majority vote")
+training.add_renamed(parser, "--nonmatrix-algorithm", "--scalar-algorithm", choices=("adamw", "lion"), help="embeddings, "
+                     "norms and head: AdamW (full-precision gradient mean) or Lion (1-bit majority vote over the replicas)")
+training.add_renamed(parser, "--nonmatrix-lr", "--scalar-lr", type=float, help="lr of embeddings, norms and head; "
+                     "default by algorithm (nonmatrix_lr_by_algorithm; lion's from results/scalar_quality.csv)")
+training.add_renamed(parser, "--nonmatrix-betas", "--scalar-betas", type=float, nargs=2, metavar=("BETA1", "BETA2"),
+                     help="betas of the non-matrix group (AdamW's, or Lion's interpolation and momentum)")
+training.add_gpt_arguments(parser)
+parser.add_argument("--grad-accum", type=int, metavar="N", help="gradient accumulation: micro-batches per "
                     "step (FSDP2 reduce-scatters once per step, on the last)")
 parser.add_argument("--bf16", action="store_true", help="mixed precision: bf16 forward/backward (FSDP2 "
                     "MixedPrecisionPolicy), fp32 weights, gradient reduction and optimizer state")
-parser.add_argument("--clip", type=float, default=0.0, metavar="MAX", help="clip gradients to norm MAX, agreed "
+parser.add_argument("--clip", type=float, metavar="MAX", help="clip gradients to norm MAX, agreed "
                     "over all ranks (the optimizer's max_grad_norm; 0: off)")
-parser.add_argument("--steps", type=int, default=300, help="length of the run (and of the lr schedule)")
-parser.add_argument("--warmup", type=int, default=20, help="linear lr warm-up steps, then cosine to 10%%")
-parser.add_argument("--stop-at", type=int, default=None, help="stop after this step (e.g. to resume later)")
-parser.add_argument("--log-every", type=int, default=10)
-parser.add_argument("--eval-every", type=int, default=50)
-parser.add_argument("--eval-batches", type=int, default=8, help="val batches per rank per evaluation")
-parser.add_argument("--checkpoint-every", type=int, default=0, help="0: no checkpoints")
+parser.add_argument("--stop-at", type=int, help="stop after this step (e.g. to resume later)")
+parser.add_argument("--checkpoint-every", type=int, help="0: no checkpoints")
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
-parser.add_argument("--out-dir", type=Path, default=None, help="default: runs/<optimizer>")
-parser.add_argument("--tokenizer", choices=data.TOKENIZERS, default="byte", help="byte (vocab 256) or BPE "
-                    "(vocab 4096: prepare with python integrations/data.py --tokenizer bpe)")
-parser.add_argument("--data-dir", type=Path, default=None, help="default: the prepared data of --tokenizer")
+parser.add_argument("--out-dir", type=Path, help="default: runs/<optimizer>")
 parser.add_argument("--tensorboard", action="store_true", help="log loss, lr, grad norm and bytes to "
                     "<out-dir>/tensorboard (torch.utils.tensorboard; pip install -e '.[train]')")
-parser.add_argument("--summary-csv", type=Path, default=None, help="append one row of final numbers to this CSV")
-parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait for another rank "
+parser.add_argument("--summary-csv", type=Path, help="append one row of final numbers to this CSV")
+parser.add_argument("--timeout", type=float, help="seconds a collective may wait for another rank "
                     "before this rank fails with a timeout error (a dead rank then stops the job, not hangs it)")
-parser.add_argument("--check-replicas-every", type=int, default=100, help="every N steps check that the "
+parser.add_argument("--check-replicas-every", type=int, help="every N steps check that the "
                     "replicas' weights are bitwise equal and stop with an error if not (0: never)")
-args = parser.parse_args()
-args.lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
-args.scalar_lr = args.scalar_lr or {"adamw": 3e-3, "lion": 1e-2}[args.scalar_algorithm]   # lion: results/scalar_quality.csv
-args.data_dir = args.data_dir or data.data_dir(data.default_cache(), args.tokenizer)
+args = training.parse_args(parser, training.GPT_DEFAULTS, Path(__file__).with_name("defaults.json"))
+args.lr = args.lr_by_optimizer[args.optimizer] if args.lr is None else args.lr
+args.nonmatrix_lr = args.nonmatrix_lr or args.nonmatrix_lr_by_algorithm[args.nonmatrix_algorithm]
 args.out_dir = args.out_dir or Path("runs") / args.optimizer
 if args.grad_accum < 1 or args.clip < 0:
     parser.error(f"--grad-accum {args.grad_accum} must be ≥ 1 and --clip {args.clip} ≥ 0")
 if args.tensorboard:
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        import torch.utils.tensorboard  # noqa: F401
     except ImportError as error:
         parser.error(f"--tensorboard needs the tensorboard package ({error}): pip install -e '.[train]'")
 
-# ---- distributed set-up: a (replicate, shard) mesh ---------------------------------------------
-cuda = torch.cuda.is_available()
+# ---- distributed set-up: a (replicate, shard, tensor) mesh -------------------------------------
 world_size = int(os.environ.get("WORLD_SIZE", "1"))
 args.replicate = args.replicate or max(1, world_size // max(1, args.shard * args.tp))
 if args.replicate < 1 or args.shard < 1 or args.tp < 1 or args.replicate * args.shard * args.tp != world_size:
@@ -144,23 +125,8 @@ if args.replicate < 1 or args.shard < 1 or args.tp < 1 or args.replicate * args.
     parser.error(f"--replicate {args.replicate} × --shard {args.shard}{tp} = {args.replicate * args.shard * args.tp} "
                  f"ranks, but the world size is {world_size} (torchrun --nproc_per_node × --nnodes); choose "
                  f"--replicate, --shard{' and --tp' if tp else ''} with product {world_size}")
-if cuda:
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-timeout = datetime.timedelta(seconds=args.timeout)
-if "RANK" in os.environ:   # under torchrun; keys of an earlier attempt (torchrun --max-restarts) stay
-    # in its store, so each attempt rendezvouses under its own prefix
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=int(os.environ["RANK"]),
-                            world_size=world_size, timeout=timeout)
-else:                      # plain `python train.py`: a world of one
-    dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timeout)
-device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-mesh = init_device_mesh(device.type, (args.replicate, args.shard, args.tp),
-                        mesh_dim_names=("replicate", "shard", "tensor"))
+mesh, device = world.init_mesh(args.replicate, args.shard, args.tp, args.timeout)   # world.py
 rank = dist.get_rank()
-data_rank = rank // args.tp   # the tensor-parallel ranks of a shard rank read the same batches
 master = rank == 0
 print(f"rank {rank}/{world_size} on {os.uname().nodename}: replicate {mesh.get_local_rank('replicate')}, "
       f"shard {mesh.get_local_rank('shard')}, tensor {mesh.get_local_rank('tensor')}", flush=True)
@@ -171,23 +137,8 @@ def log(message: str) -> None:
         tqdm.write(message)   # (above the progress bar)
 
 
-def sync() -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
-# ---- data --------------------------------------------------------------------------------------
-train_tokens = data.load(args.data_dir, "train")
-val_tokens = data.load(args.data_dir, "val")
-
-
-def batch(split: str, step: int):
-    tokens = train_tokens if split == "train" else val_tokens
-    x, y = data.get_batch(tokens, args.batch_size, args.block_size, args.seed, step, data_rank, split)
-    return x.to(device), y.to(device)
-
-
-# ---- model: FSDP2 over the shard axis only -----------------------------------------------------
+# ---- data and model: FSDP2 over the shard axis only --------------------------------------------
+batches = training.Batches(args, rank // args.tp, device)   # the tensor-parallel ranks of a shard rank read the same
 torch.manual_seed(args.seed)   # the same initial weights on every rank
 model = GPT(GPTConfig(vocab_size=data.vocab_size(args.data_dir), block_size=args.block_size, n_layer=args.n_layer,
                       n_head=args.n_head, n_embd=args.n_embd)).to(device)
@@ -203,10 +154,10 @@ fully_shard(model, mesh=mesh["shard"], mp_policy=precision)
 log(f"model: {model.num_params():,} params, {args.n_layer} layers, width {args.n_embd}, context {args.block_size}; "
     f"mesh {args.replicate} replicate × {args.shard} shard × {args.tp} tensor on {device.type}{', bf16 compute' if args.bf16 else ''}")
 
-# ---- optimizer: the 2-D weights get --optimizer, everything else --scalar-algorithm ----------------
+# ---- optimizer: the 2-D weights get --optimizer, everything else --nonmatrix-algorithm ----------
 matrix_algorithm = "dion" if args.optimizer == "adamw" else args.optimizer
-groups = shardopt.param_groups(model, matrix_algorithm, args.scalar_algorithm,
-                               scalar_options=dict(lr=args.scalar_lr, weight_decay=0.0, betas=tuple(args.scalar_betas)))
+groups = shardopt.param_groups(model, matrix_algorithm, args.nonmatrix_algorithm, scalar_options=dict(
+    lr=args.nonmatrix_lr, weight_decay=0.0, betas=tuple(args.nonmatrix_betas)))
 meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed, max_grad_norm=args.clip,
               **(dict(tensor_mesh=mesh["tensor"]) if args.tp > 1 else {}))
 if args.optimizer == "dion":
@@ -220,101 +171,31 @@ else:   # the baselines: Muon, or AdamW on the matrices too; both average full-p
     opt = shardopt.ShardOptimizer(groups, dict(lr=args.lr, momentum=args.momentum, ns_steps=args.ns_steps,
                                                weight_decay=args.weight_decay), **meshes)
 log(opt.describe())
-
-
-def lr_multiplier(step: int) -> float:
-    """Linear warm-up over args.warmup steps, then cosine from 1 to 0.1 at args.steps."""
-    if step <= args.warmup:
-        return step / max(1, args.warmup)
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 # the scheduler's epoch counts the steps taken; step s (from 1) runs at base lr × lr_multiplier(s)
-scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda steps_taken: lr_multiplier(steps_taken + 1))
+scheduler = torch.optim.lr_scheduler.LambdaLR(
+    opt, lambda steps_taken: training.lr_multiplier(steps_taken + 1, args.warmup, args.steps))
 
-
-# ---- checkpoints: DCP of model + optimizer + lr scheduler ---------------------------------------
+# ---- checkpoints (checkpoint.py): DCP of model + optimizer + lr scheduler ----------------------
 checkpoints = args.out_dir / "checkpoints"
-
-
-def save_checkpoint(step: int) -> None:
-    opt.synchronize_for_checkpoint()   # one momentum that every replica agrees on
-    model_state, optim_state = get_state_dict(model, opt)
-    dcp.save({"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()},
-             checkpoint_id=checkpoints / f"step_{step:06d}")
-    opt.reset_comm_stats()             # checkpoint traffic is not a training step's
-
-
-def latest_checkpoint() -> tuple[int, Path] | None:
-    done = [path for path in checkpoints.glob("step_*") if (path / ".metadata").exists()]
-    return max(((int(path.name[5:]), path) for path in done), default=None)
-
-
-start_step = 0
-found = latest_checkpoint()
+start_step, found = 0, checkpoint.latest(checkpoints)
 if found and not args.resume:
     log(f"note: {checkpoints} holds checkpoints of an earlier run (up to step {found[0]}); this run starts "
         f"from step 0 and overwrites them as it reaches their steps (--resume continues instead)")
-if args.resume:
-    if found is None:
-        log(f"resume: no checkpoint in {checkpoints}; starting from step 0")
-    else:
-        start_step, path = found
-        model_state, optim_state = get_state_dict(model, opt)   # (initializes the optimizer state)
-        state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=optim_state)
-        scheduler.load_state_dict(state["scheduler"])
-        opt.reset_comm_stats()
-        log(f"resume: loaded {path} (step {start_step}, lr scheduler at step {scheduler.last_epoch})")
+if args.resume and found is None:
+    log(f"resume: no checkpoint in {checkpoints}; starting from step 0")
+elif args.resume:
+    start_step, path = found
+    checkpoint.load(path, model, opt, scheduler)
+    log(f"resume: loaded {path} (step {start_step}, lr scheduler at step {scheduler.last_epoch})")
 
 # ---- metrics: CSV rows (rank 0), kept up to the resumed step; TensorBoard --------------------
-FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "step_ms", "opt_step_ms",
-          "replicate_bytes_per_step", "shard_bytes_per_step", "replicate_bytes", "link_tx_bytes", "elapsed_s"]
-metrics_path = args.out_dir / "metrics.csv"
-rows = []
-board = None   # TensorBoard (rank 0, --tensorboard)
-if master:
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    if start_step and metrics_path.exists():
-        with metrics_path.open() as f:
-            rows = [row for row in csv.DictReader(f) if int(row["step"]) <= start_step]
-    with metrics_path.open("w", newline="") as f:
-        csv.DictWriter(f, FIELDS).writeheader()
-        csv.DictWriter(f, FIELDS).writerows(rows)
-    if args.tensorboard:   # (purge_step drops events a crashed run logged after its last checkpoint)
-        board = SummaryWriter(args.out_dir / "tensorboard", purge_step=start_step + 1)
-TENSORBOARD_TAGS = {"train_loss": "loss/train", "val_loss": "loss/val", "lr": "lr", "grad_norm": "grad_norm",
-                    "tokens_per_s": "throughput/tokens_per_s", "replicate_bytes_per_step": "bytes/replicate_per_step",
-                    "shard_bytes_per_step": "bytes/shard_per_step", "replicate_bytes": "bytes/replicate_total"}
-
-
-def write_row(row: dict) -> None:
-    rows.append(row)
-    with metrics_path.open("a", newline="") as f:
-        csv.DictWriter(f, FIELDS).writerow(row)
-    if board:
-        for field, tag in TENSORBOARD_TAGS.items():
-            if row[field] != "":
-                board.add_scalar(tag, float(row[field]), int(row["step"]))
-        board.flush()
-
-
-@torch.no_grad()
-def evaluate() -> float:
-    """Mean val loss over args.eval_batches fixed batches per rank, averaged over all ranks."""
-    model.eval()
-    losses = torch.stack([model(*batch("val", i))[1].float() for i in range(args.eval_batches)])
-    model.train()
-    return mean_over_ranks(losses.mean())
-
-
-def mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().reshape(1).clone()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
-
+metrics = training.Metrics(args.out_dir / "metrics.csv", [
+    "step", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s", "step_ms", "opt_step_ms",
+    "replicate_bytes_per_step", "shard_bytes_per_step", "replicate_bytes", "link_tx_bytes", "elapsed_s"], master, start_step,
+    tensorboard={"train_loss": "loss/train", "val_loss": "loss/val", "lr": "lr", "grad_norm": "grad_norm",
+                 "tokens_per_s": "throughput/tokens_per_s", "replicate_bytes_per_step": "bytes/replicate_per_step",
+                 "shard_bytes_per_step": "bytes/shard_per_step", "replicate_bytes": "bytes/replicate_total"}
+    if args.tensorboard else None)
 
 # ---- training loop -----------------------------------------------------------------------------
 tokens_per_step = args.batch_size * args.block_size * args.grad_accum * dist.get_world_size() // args.tp
@@ -323,11 +204,10 @@ log(f"train: {args.optimizer} lr {args.lr:g}, steps {start_step + 1}..{end_step}
     f"{tokens_per_step:,} tokens per step ({args.grad_accum} micro-batches), clip {args.clip or 'off'}, "
     f"out {args.out_dir}")
 if start_step == 0 and args.eval_every:
-    val_loss = evaluate()
+    val_loss = training.evaluate(model, batches, args.eval_batches)
     log(f"step 0: val loss {val_loss:.4f}")
-    if master:
-        write_row(dict.fromkeys(FIELDS, "") | {"step": 0, "tokens": 0, "val_loss": f"{val_loss:.6f}",
-                                               "replicate_bytes": 0, "elapsed_s": 0})
+    metrics.add({"step": 0, "tokens": 0, "val_loss": f"{val_loss:.6f}", "replicate_bytes": 0, "elapsed_s": 0})
+rows = metrics.rows
 replicate_bytes = int(rows[-1]["replicate_bytes"]) if rows and rows[-1]["replicate_bytes"] else 0
 loop_started = time.perf_counter()
 window = dict(loss=torch.zeros((), device=device), steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
@@ -339,15 +219,17 @@ for step in progress:
     lr = scheduler.get_last_lr()[0]   # this step's lr of the 2-D weights
     for micro in range(args.grad_accum):   # micro-batch i of step s is batch (s−1)·N + i + 1 of this rank
         model.set_requires_gradient_sync(micro == args.grad_accum - 1)
-        _, loss = model(*batch("train", (step - 1) * args.grad_accum + micro + 1))
+        _, loss = model(*batches("train", (step - 1) * args.grad_accum + micro + 1))
         (loss / args.grad_accum).backward()
         window["loss"] += loss.detach().float() / args.grad_accum
-    sync()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     opt_tick = time.perf_counter()
     opt.step()        # clips (--clip), exchanges over the replicate axis, updates
     scheduler.step()
     opt.zero_grad(set_to_none=True)
-    sync()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     tock = time.perf_counter()
     stats = opt.comm_stats()
     opt.reset_comm_stats()
@@ -359,21 +241,18 @@ for step in progress:
         counter["shard"] += stats["shard"]["bytes_sent"]
     replicate_bytes += stats["replicate"]["bytes_sent"]
 
-    evaluate_now = args.eval_every and (step % args.eval_every == 0 or step == end_step)
-    if step % args.log_every == 0 or evaluate_now or step == end_step:
-        train_loss = mean_over_ranks(window["loss"] / window["steps"])
-        val_loss = evaluate() if evaluate_now else None
+    log_now, evaluate_now = training.log_and_eval(step, end_step, args)
+    if log_now:
         n = window["steps"]
-        row = {"step": step, "tokens": step * tokens_per_step, "lr": f"{lr:.6g}", "train_loss": f"{train_loss:.6f}",
-               "val_loss": "" if val_loss is None else f"{val_loss:.6f}",
-               "grad_norm": "" if opt.last_grad_norm is None else f"{opt.last_grad_norm.item():.6g}",
-               "tokens_per_s": f"{n * tokens_per_step / window['seconds']:.1f}",
-               "step_ms": f"{1000 * window['seconds'] / n:.2f}", "opt_step_ms": f"{1000 * window['opt_seconds'] / n:.2f}",
-               "replicate_bytes_per_step": window["replicate"] // n, "shard_bytes_per_step": window["shard"] // n,
-               "replicate_bytes": replicate_bytes, "link_tx_bytes": link_tx_bytes() or "",
-               "elapsed_s": f"{time.perf_counter() - loop_started:.1f}"}
-        if master:
-            write_row(row)
+        train_loss = training.mean_over_ranks(window["loss"] / n)
+        val_loss = training.evaluate(model, batches, args.eval_batches) if evaluate_now else None
+        row = training.metrics_row(step, step * tokens_per_step, lr, train_loss, val_loss, n, window["seconds"],
+                                   window["replicate"], loop_started) | {
+            "grad_norm": "" if opt.last_grad_norm is None else f"{opt.last_grad_norm.item():.6g}",
+            "tokens_per_s": f"{n * tokens_per_step / window['seconds']:.1f}",
+            "opt_step_ms": f"{1000 * window['opt_seconds'] / n:.2f}", "shard_bytes_per_step": window["shard"] // n,
+            "replicate_bytes": replicate_bytes}
+        metrics.add(row)
         progress.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
         log(f"step {step}/{args.steps}: train loss {train_loss:.4f}"
             + ("" if val_loss is None else f", val loss {val_loss:.4f}")
@@ -386,18 +265,17 @@ for step in progress:
         raise SystemExit(f"rank {rank}: replicas diverged at step {step} (weights differ bitwise between "
                          f"replicas); stopping. Resume from the last checkpoint with --resume")
     if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == end_step):
-        save_checkpoint(step)
+        checkpoint.save(checkpoints, step, model, opt, scheduler)
 progress.close()
-if board:
-    board.close()
+metrics.close()
 
 # ---- summary, plot ------------------------------------------------------------------------------
 dist.barrier()
 if master and totals["steps"]:
     final_val = next((float(r["val_loss"]) for r in reversed(rows) if r["val_loss"] != ""), float("nan"))
-    summary = {
-        "optimizer": args.optimizer, "scalar_algorithm": args.scalar_algorithm, "scalar_lr": args.scalar_lr,
-        "scalar_betas": " ".join(map(str, args.scalar_betas)),
+    summary = {   # (the non-matrix group's keys keep their names: they are results/demo.csv's columns)
+        "optimizer": args.optimizer, "scalar_algorithm": args.nonmatrix_algorithm, "scalar_lr": args.nonmatrix_lr,
+        "scalar_betas": " ".join(map(str, args.nonmatrix_betas)),
         "tokenizer": args.tokenizer, "seed": args.seed, "replicate": args.replicate, "shard": args.shard,
         **({"tp": args.tp} if args.tp > 1 else {}), "lr": args.lr,
         "rank_fraction": args.rank_fraction if args.optimizer == "dion" else "",
@@ -413,15 +291,9 @@ if master and totals["steps"]:
     }
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if args.summary_csv:
-        new_file = not args.summary_csv.exists()
-        args.summary_csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.summary_csv.open("a", newline="") as f:
-            writer = csv.DictWriter(f, list(summary))
-            if new_file:
-                writer.writeheader()
-            writer.writerow(summary)
+        training.append_csv(args.summary_csv, summary)
     log(f"done: {args.optimizer} val loss {final_val:.4f}, replicate {summary['replicate_bytes_per_step']:,} B/step, "
-        f"wall {summary['wall_s']} s; wrote {metrics_path}")
+        f"wall {summary['wall_s']} s; wrote {metrics.path}")
     try:
         from plot import plot_runs
     except ImportError:

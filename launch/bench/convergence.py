@@ -5,12 +5,12 @@
         --csv results/convergence_smoke.csv              # a reduced-scale check
 
     python launch/bench/convergence.py --seeds 0 --best-seeds 1   # 3 lrs at seed 0, the best lr also at seed 1
-    python launch/bench/convergence.py --methods ddp_adamw --lr-factors 1 --scalar-lrs 0.01 0.03   # scalar lrs
+    python launch/bench/convergence.py --methods ddp_adamw --lr-factors 1 --nonmatrix-lrs 0.01 0.03   # scalar lrs
 
 Each run: torchrun --standalone with 2 × 2 ranks (two "nodes" of two ranks on this machine):
 shardopt's methods on a (replicate 2, shard 2) mesh, the DDP ones on 4 ranks with 2 ranks per node
 (so their bytes between the two groups of ranks count as replicate bytes). Learning rates: each
-method's default × --lr-factors for the 2-D weights, and --scalar-lrs (default: the method's own) for
+method's default × --lr-factors for the 2-D weights, and --nonmatrix-lrs (default: the method's own) for
 the embeddings, tied head and norms (signsgd has one lr for everything: no scalar lr). Every method
 sees the same batches (same seed → same data).
 A run whose folder under --runs-dir holds a finished run of the same command is read back, not rerun
@@ -34,9 +34,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from pathlib import Path
 
+import campaign
 import runs
+
+sys.path.insert(0, str(campaign.ROOT / "integrations"))
+import training  # noqa: E402  (integrations/training.py: the renamed option)
 
 BEST_FIELDS = ["method", "lr", "scalar_lr", "seeds", "final_val_loss_mean", "final_val_loss_min", "final_val_loss_max",
                "replicate_bytes_total"]
@@ -100,8 +105,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
     parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0])
-    parser.add_argument("--scalar-lrs", nargs="+", type=float, default=None,
-                        help="lrs of the embeddings, head and norms (default: each method's own; not for signsgd)")
+    training.add_renamed(parser, "--nonmatrix-lrs", "--scalar-lrs", nargs="+", type=float, default=None,
+                         help="lrs of the embeddings, head and norms (default: each method's own; not for signsgd)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--best-seeds", nargs="*", type=int, default=[],
                         help="more seeds, run only at each method's best setting over --seeds (a cheaper second seed)")
@@ -110,83 +115,73 @@ def main() -> None:
     runs.add_model_arguments(parser)
     parser.add_argument("--run-timeout", type=float, default=3600.0)
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS, help="one folder per run (reused when finished)")
-    parser.add_argument("--csv", type=Path, default=runs.ROOT / "results" / "convergence.csv")
+    parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "convergence.csv")
     args = parser.parse_args()
     chosen = runs.select(runs.methods(args.n_embd), args.methods)
     model = runs.model_args(args)
     print(f"convergence: vocabulary {args.tokenizer}; 2 × 2 ranks; {args.steps} steps; "
-          f"{len(chosen)} methods × {len(args.lr_factors)} lrs × {len(args.scalar_lrs or [None])} scalar lrs × "
+          f"{len(chosen)} methods × {len(args.lr_factors)} lrs × {len(args.nonmatrix_lrs or [None])} scalar lrs × "
           f"seeds {args.seeds}" + (f", seeds {args.best_seeds} at the best setting" if args.best_seeds else ""), flush=True)
-    curves_csv = args.csv.with_name(args.csv.stem + "_curves.csv")
-    kept = runs.read_csv(args.csv) if args.csv.exists() else []
-    kept_curves = runs.read_csv(curves_csv) if curves_csv.exists() else []
-    rows, curve_rows, failed = [], [], []
+    finals = campaign.Campaign(args.csv, runs.CONVERGENCE_FIELDS, runs.RUN_KEY)
+    curves = campaign.Campaign(args.csv.with_name(args.csv.stem + "_curves.csv"), CURVE_FIELDS, CURVE_KEY)
 
     def train(method: runs.Method, lr: str, scalar_lr: str, seed: int) -> None:
+        """One run of the grid (read back if finished) → its row and its curve's rows."""
         scalar = float(scalar_lr) if scalar_lr else None
         out = runs.local_run_dir(args.runs_dir, method, float(lr), scalar, seed, 2)
-        try:
-            runs.run_local(method.command(float(lr), scalar, seed, out, model, 2, 2), 4, out / "log.txt",
-                           args.run_timeout, reuse=True)
-        except RuntimeError as error:          # one failed run does not end the campaign
-            failed.append(f"{method.name} lr {lr} scalar lr {scalar_lr} seed {seed}: {str(error)[:200]}")
-            print(f"FAILED {failed[-1]}", flush=True)
+        command = method.command(float(lr), scalar, seed, out, model, 2, 2)
+        if not finals.attempt(f"{method.name} lr {lr} scalar lr {scalar_lr} seed {seed}", lambda: campaign.run_local(
+                command, 4, out / "log.txt", args.run_timeout, reuse=True)):
             return
         summary = runs.summarize(runs.read_metrics(out))
-        rows.append({"method": method.name, "lr": lr, "scalar_lr": scalar_lr, "seed": seed, "steps": summary.steps,
-                     "final_val_loss": f"{summary.final_val_loss:.4f}",
-                     "replicate_bytes_total": summary.replicate_bytes_total})
-        curve_rows.extend({"method": method.name, "lr": lr, "scalar_lr": scalar_lr, "seed": seed, "step": step,
-                           "val_loss": f"{loss:.6f}", "replicate_bytes": sent} for step, _, loss, sent in summary.curve)
-        print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-        runs.write_csv(args.csv, runs.CONVERGENCE_FIELDS, runs.merged(kept, rows, runs.RUN_KEY))
-        runs.write_csv(curves_csv, CURVE_FIELDS, runs.merged(kept_curves, curve_rows, CURVE_KEY))
-
-    def best_of(method: runs.Method) -> list[dict]:
-        return [e for e in best_table(runs.merged(kept, rows, runs.RUN_KEY)) if e["method"] == method.name]
+        finals.add({"method": method.name, "lr": lr, "scalar_lr": scalar_lr, "seed": seed, "steps": summary.steps,
+                    "final_val_loss": f"{summary.final_val_loss:.4f}",
+                    "replicate_bytes_total": summary.replicate_bytes_total})
+        curves.add(*({"method": method.name, "lr": lr, "scalar_lr": scalar_lr, "seed": seed, "step": step,
+                      "val_loss": f"{loss:.6f}", "replicate_bytes": sent} for step, _, loss, sent in summary.curve),
+                   show=False)
 
     for method in chosen:
-        scalar_lrs = dict.fromkeys(method.scalar_lr_text(s) for s in args.scalar_lrs or [None])
+        scalar_lrs = dict.fromkeys(method.scalar_lr_text(s) for s in args.nonmatrix_lrs or [None])
         for factor in args.lr_factors:
             for scalar_lr in scalar_lrs:
                 for seed in args.seeds:
                     train(method, f"{method.lr * factor:g}", scalar_lr, seed)
-        best = best_of(method) if args.best_seeds else []
+        best = [e for e in best_table(finals.everything()) if e["method"] == method.name] if args.best_seeds else []
         for seed in args.best_seeds if best else []:
             train(method, best[0]["lr"], best[0]["scalar_lr"], seed)
-    everything = runs.merged(kept, rows, runs.RUN_KEY)
+    everything = finals.everything()
     best = best_table(everything)
 
-    def curves() -> dict:
+    def curves_by_run() -> dict:
         found: dict = {}
-        for r in runs.merged(kept_curves, curve_rows, CURVE_KEY):
+        for r in curves.everything():
             found.setdefault((*setting(r), int(r["seed"])), []).append(
                 (int(r["step"]), float(r["val_loss"]), int(r["replicate_bytes"])))
         return found
 
     by_name = {m.name: m for m in runs.methods(args.n_embd)}
-    with_curve = {key[:-1] for key in curves()}
+    with_curve = {key[:-1] for key in curves_by_run()}
     for entry in best:
         if setting(entry) not in with_curve:
             seed = min(int(r["seed"]) for r in everything if setting(r) == setting(entry))
             if not args.rerun_for_curves:
-                print(f"{entry['method']} lr {entry['lr']} scalar lr {entry['scalar_lr']}: no curve in {curves_csv.name}, "
+                print(f"{entry['method']} lr {entry['lr']} scalar lr {entry['scalar_lr']}: no curve in {curves.path.name}, "
                       f"not in the PNG (--rerun-for-curves runs seed {seed} again for it)", flush=True)
                 continue
-            print(f"{entry['method']} lr {entry['lr']} scalar lr {entry['scalar_lr']}: no curve in {curves_csv.name}; "
+            print(f"{entry['method']} lr {entry['lr']} scalar lr {entry['scalar_lr']}: no curve in {curves.path.name}; "
                   f"running seed {seed} again for it",
                   flush=True)
             train(by_name[entry["method"]], entry["lr"], entry["scalar_lr"], seed)
     best_csv = args.csv.with_name(args.csv.stem + "_best.csv")
-    runs.write_csv(best_csv, BEST_FIELDS, best)
-    runs.print_table(best)
+    campaign.write_csv(best_csv, BEST_FIELDS, best)
+    campaign.print_table(best)
     png = args.csv.with_suffix(".png")
-    drawn = {key: curve for key, curve in curves().items() if any(setting(e) == key[:-1] for e in best)}
+    drawn = {key: curve for key, curve in curves_by_run().items() if any(setting(e) == key[:-1] for e in best)}
     plot(drawn, [e for e in best if any(setting(e) == key[:-1] for key in drawn)], png)
-    print(f"wrote {args.csv} ({len(rows)} runs of this campaign, {len(everything) - len(rows)} kept), {best_csv}, "
-          f"{curves_csv.name} and {png}")
-    if failed:
-        raise SystemExit("these runs failed (their rows are missing; logs under --runs-dir):\n" + "\n".join(failed))
+    print(f"wrote {args.csv} ({len(finals.rows)} runs of this campaign, {len(everything) - len(finals.rows)} kept), "
+          f"{best_csv}, {curves.path.name} and {png}")
+    finals.finish("--runs-dir")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "integrations")]
+import campaign  # noqa: E402
 import data  # noqa: E402
 import peers  # noqa: E402
 import runs  # noqa: E402
@@ -191,9 +192,7 @@ def train(args) -> None:
         row = {"method": args.method, "lr": f"{args.lr:g}", "seed": args.seed, "steps": args.steps,
                "test_accuracy": f"{correct / len(y_test):.4f}", "final_train_loss": f"{np.mean(losses[-20:]):.4f}",
                "replicate_bytes_per_step": sent // args.steps}
-        print(", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
-        rows = runs.read_csv(args.csv) if args.csv.exists() else []
-        runs.write_csv(args.csv, FIELDS, runs.merged(rows, [row], RUN_KEY))
+        campaign.Campaign(args.csv, FIELDS, RUN_KEY).add(row)
     dist.destroy_process_group()
 
 
@@ -208,7 +207,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64, help="images per replica per step")
     parser.add_argument("--run-timeout", type=float, default=1800.0)
-    parser.add_argument("--csv", type=Path, default=runs.ROOT / "results" / "fashion_mnist.csv")
+    parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "fashion_mnist.csv")
     parser.add_argument("--method", help=argparse.SUPPRESS)   # (one run, under torchrun)
     parser.add_argument("--lr", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -226,10 +225,10 @@ def main() -> None:
                 argv = [__file__, "--method", method, "--lr", f"{METHODS[method] * factor:g}", "--seed", str(seed),
                         "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
                         "--cache", str(args.cache), "--csv", str(args.csv)]
-                log = runs.ROOT / "runs" / "fashion_mnist" / f"{method.replace('/', '_')}_{factor:g}_{seed}.txt"
-                runs.run_local(argv, 2, log, args.run_timeout)
+                log = campaign.ROOT / "runs" / "fashion_mnist" / f"{method.replace('/', '_')}_{factor:g}_{seed}.txt"
+                campaign.run_local(argv, 2, log, args.run_timeout)
                 print(log.read_text().strip().splitlines()[-1] if log.exists() else "", flush=True)
-    runs.print_table(runs.read_csv(args.csv))
+    campaign.print_table(campaign.read_csv(args.csv))
     print(f"wrote {args.csv}")
 
 

@@ -13,7 +13,7 @@ torch's own communication hooks and optimizers, and signSGD with majority vote.
                of the new momentum) on every parameter, the world as replicate axis: no polar step
 
 The parameters are split as `shardopt.param_groups` splits them: the 2-D weights get `lr`, the rest
-(embeddings and tied head, output heads, norms, biases) AdamW at `scalar_lr` without decay.
+(embeddings and tied head, output heads, norms, biases) AdamW at `nonmatrix_lr` without decay.
 Bytes: the all-reduces torch's hooks and averager issue are counted by launch/bench/counting.py,
 signsgd's vote by shardopt's comm layer; `Peer.sent()` gives both per kind of group.
 """
@@ -100,19 +100,19 @@ class Peer:
         gc.collect()
 
 
-def build(model: nn.Module, method: str, lr: float, scalar_lr: float, options: argparse.Namespace,
+def build(model: nn.Module, method: str, lr: float, nonmatrix_lr: float, options: argparse.Namespace,
           local_world: int, seed: int) -> Peer:
     """`method` (one of METHODS) on `model` in this process group; `options` holds add_arguments' values.
     local_world: ranks per node (a node is rank // local_world): which all-reduces count as between nodes
     and localsgd's groups of ranks that keep averaging every step."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-    matrices, scalars = shardopt.param_groups(model, "muon", "adamw")   # the split shardopt uses
+    matrices, nonmatrix = shardopt.param_groups(model, "muon", "adamw")   # the split shardopt uses
     counter = CountingAllReduce(local_world).install()
     if method == "signsgd":
         signum = dict(algorithm="lion", betas=(options.momentum, options.momentum), lr=lr)
         voted = shardopt.ShardOptimizer([matrices | signum | {"weight_decay": options.weight_decay},
-                                         scalars | signum | {"weight_decay": 0.0}], {},
+                                         nonmatrix | signum | {"weight_decay": 0.0}], {},
                                         replicate_mesh=dist.group.WORLD, seed=seed)
         return Peer(model, model, [voted], counter, shardopt_optimizer=voted)
     device = next(model.parameters()).device
@@ -133,13 +133,13 @@ def build(model: nn.Module, method: str, lr: float, scalar_lr: float, options: a
         averager = PeriodicModelAverager(period=options.local_period, warmup_steps=options.local_start)
     else:
         net.register_comm_hook(None, default_hooks.allreduce_hook)  # DDP's own all-reduce, through the counted path
-    scalar_opt = torch.optim.AdamW(scalars["params"], lr=scalar_lr, weight_decay=0.0, **ADAMW_BETAS)
+    nonmatrix_opt = torch.optim.AdamW(nonmatrix["params"], lr=nonmatrix_lr, weight_decay=0.0, **ADAMW_BETAS)
     if method == "ddp_muon":
         matrix_opt = torch.optim.Muon(matrices["params"], lr=lr, weight_decay=options.weight_decay,
                                       momentum=options.momentum, nesterov=False)
     else:
         matrix_opt = torch.optim.AdamW(matrices["params"], lr=lr, weight_decay=options.weight_decay, **ADAMW_BETAS)
-    return Peer(model, net, [matrix_opt, scalar_opt], counter, averager)
+    return Peer(model, net, [matrix_opt, nonmatrix_opt], counter, averager)
 
 
 def replicas_equal(model: nn.Module) -> bool:

@@ -1,4 +1,5 @@
-"""What the benchmark drivers share: the methods, how one run is launched, and what is read back.
+"""What the benchmark drivers share: the methods, their command lines, and what is read back from a run
+(campaign.py launches the runs, reads finished ones back and merges the rows into the CSVs).
 
 A method is a label (the `method` column) and the command-line arguments of one of two entry points:
 integrations/fsdp/train.py (shardopt's optimizers on a (replicate, shard) mesh: dion, signmuon) and
@@ -11,21 +12,15 @@ evaluations, start-up and rendezvous are not in any method's time to target.
 
 from __future__ import annotations
 
-import csv
-import hashlib
 import math
-import os
 import statistics
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from campaign import BENCH, ROOT, read_csv
+
 FSDP_TRAIN = ROOT / "integrations" / "fsdp" / "train.py"
-DDP_TRAIN = ROOT / "launch" / "bench" / "train_ddp.py"
-TWONODE = ROOT / "launch" / "netns" / "twonode.sh"
-MULTINODE = ROOT / "launch" / "torchrun_multinode.sh"
+DDP_TRAIN = BENCH / "train_ddp.py"
 LOCAL_RUNS = ROOT / "runs" / "local"
 
 SLOWLINK_FIELDS = ["method", "rate_mbit", "procs_per_node", "lr", "scalar_lr", "steps", "step_ms", "replicate_bytes_per_step",
@@ -65,7 +60,7 @@ class Method:
             raise ValueError(f"{self.name} has one lr for every parameter; scalar_lr must be None, got {scalar_lr}")
         mesh = ["--replicate", str(nodes), "--shard", str(procs_per_node), "--check-replicas-every", "0"] \
             if self.script == FSDP_TRAIN else ["--ranks-per-node", str(procs_per_node)]
-        scalar = ["--scalar-lr", self.scalar_lr_text(scalar_lr)] if self.scalar_lr is not None else []
+        scalar = ["--nonmatrix-lr", self.scalar_lr_text(scalar_lr)] if self.scalar_lr is not None else []
         return [str(self.script), *self.args, *mesh, "--lr", f"{lr:g}", *scalar, "--seed", str(seed),
                 "--out-dir", str(out_dir), *model_args]
 
@@ -76,17 +71,12 @@ def powersgd_matched_rank(n_embd: int, rank_fraction: float = 0.25) -> int:
     return max(1, round(math.ceil(rank_fraction * n_embd) * DION_WIRE_ITEMSIZE / 4))
 
 
-def accepts(script: Path, option: str) -> bool:
-    """Whether an entry point has a command-line option (a capability check on its source)."""
-    return f'"{option}"' in script.read_text()
-
-
 def methods(n_embd: int) -> list[Method]:
-    """Every method of the benchmark, baseline first. Variants with the Lion scalar group appear only
-    where integrations/fsdp/train.py has --scalar-algorithm."""
+    """Every method of the benchmark, baseline first ("_lion": Lion's 1-bit vote for the non-matrix group
+    instead of AdamW's full-precision mean)."""
     matched = powersgd_matched_rank(n_embd)
     adamw = ADAMW_SCALAR_LR
-    found = [
+    return [
         Method("ddp_adamw", DDP_TRAIN, ("--method", "ddp_adamw"), 3e-3, adamw),
         Method("ddp_muon", DDP_TRAIN, ("--method", "ddp_muon"), 0.02, adamw, "torch.optim.Muon"),
         Method("powersgd_rank1", DDP_TRAIN, ("--method", "powersgd", "--powersgd-rank", "1"), 3e-3, adamw),
@@ -96,14 +86,12 @@ def methods(n_embd: int) -> list[Method]:
         Method("signsgd", DDP_TRAIN, ("--method", "signsgd"), 1e-3, None),
         Method("dion_1/4", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.25"), 0.02, adamw),
         Method("dion_1/16", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.0625"), 0.02, adamw),
-        Method("signmuon", FSDP_TRAIN, ("--optimizer", "signmuon"), 3e-3, adamw, "scalar group adamw"),
+        Method("signmuon", FSDP_TRAIN, ("--optimizer", "signmuon"), 3e-3, adamw, "non-matrix group adamw"),
+        Method("signmuon_lion", FSDP_TRAIN, ("--optimizer", "signmuon", "--nonmatrix-algorithm", "lion"), 3e-3,
+               LION_SCALAR_LR),
+        Method("dion_1/4_lion", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.25",
+                                            "--nonmatrix-algorithm", "lion"), 0.02, LION_SCALAR_LR),
     ]
-    if accepts(FSDP_TRAIN, "--scalar-algorithm"):
-        found += [Method("signmuon_lion", FSDP_TRAIN, ("--optimizer", "signmuon", "--scalar-algorithm", "lion"), 3e-3,
-                         LION_SCALAR_LR),
-                  Method("dion_1/4_lion", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.25",
-                                                      "--scalar-algorithm", "lion"), 0.02, LION_SCALAR_LR)]
-    return found
 
 
 def select(all_methods: list[Method], names: list[str] | None) -> list[Method]:
@@ -140,11 +128,6 @@ def model_args(args) -> list[str]:
             "--eval-batches", str(args.eval_batches), "--warmup", str(args.warmup), "--log-every", "1"]
 
 
-def run_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-
-
 def local_run_dir(root: Path, method: "Method", lr: float, scalar_lr: float | None, seed: int,
                   procs_per_node: int) -> Path:
     """Where one of convergence.py's runs on this machine lives (read back instead of rerun when finished).
@@ -153,88 +136,7 @@ def local_run_dir(root: Path, method: "Method", lr: float, scalar_lr: float | No
     return Path(root) / f"{method.name.replace('/', '_')}_lr{lr:g}{scalar}_seed{seed}_p{procs_per_node}"
 
 
-def code_version() -> str:
-    """SHA-256 of the code a run executes: shardopt/, integrations/, launch/bench/train_ddp.py, peers.py
-    and counting.py, the launchers (file names and contents, in path order). A run folder records it, so a
-    run made by other code is not read back as if it were this code's."""
-    files = sorted([*(ROOT / "shardopt").rglob("*.py"), *(ROOT / "integrations").rglob("*.py"), DDP_TRAIN,
-                    ROOT / "launch" / "bench" / "peers.py", ROOT / "launch" / "bench" / "counting.py", TWONODE, MULTINODE])
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-def finished(out_dir: Path, argv: list[str]) -> bool:
-    """Whether out_dir holds a run that ended (done marker) of these arguments (command.txt) made by
-    this code (code.txt = code_version())."""
-    out_dir = Path(out_dir)
-    recorded, code = out_dir / "command.txt", out_dir / "code.txt"
-    return (out_dir / "done").exists() and recorded.exists() and recorded.read_text() == " ".join(argv) \
-        and code.exists() and code.read_text() == code_version()
-
-
-def _reusable_run(argv: list[str], log: Path, reuse: bool, start) -> bool:
-    """start() unless reuse and log's folder holds a finished run of argv (returns whether it ran); a run
-    that ends is marked with its arguments, code version and a done marker."""
-    out_dir = log.parent
-    if reuse and finished(out_dir, argv):
-        return False
-    (out_dir / "done").unlink(missing_ok=True)
-    start()
-    (out_dir / "command.txt").write_text(" ".join(argv))
-    (out_dir / "code.txt").write_text(code_version())
-    (out_dir / "done").touch()
-    return True
-
-
-def run_local(argv: list[str], nproc: int, log: Path, timeout_s: float, reuse: bool = False) -> bool:
-    """torchrun --standalone on this machine (no link limit). With reuse, a finished run of the same
-    arguments and code in the log's folder is kept instead (returns False: not run again)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *argv]
-    return _reusable_run(["--nproc_per_node", str(nproc), *argv], log, reuse, lambda: _run([command], log, timeout_s))
-
-
-def run_two_nodes(argv: list[str], procs_per_node: int, prefix: str, port: int, log: Path, timeout_s: float,
-                  reuse: bool = False) -> bool:
-    """One torchrun per emulated node (launch/torchrun_multinode.sh inside `twonode.sh node N`); the link
-    rate is the caller's (its folder name). With reuse, as run_local."""
-    env = {"MASTER_ADDR": f"{prefix}1", "MASTER_PORT": str(port), "NNODES": "2", "NPROC_PER_NODE": str(procs_per_node),
-           "PYTHON": sys.executable, "RDZV_ID": f"bench{port}", "RDZV_TIMEOUT": "120"}
-    commands = [[str(TWONODE), "node", str(n), "env", *(f"{k}={v}" for k, v in env.items()),
-                 f"NODE_RANK={n - 1}", "bash", str(MULTINODE), *argv] for n in (1, 2)]
-    return _reusable_run(["--nnodes", "2", "--nproc_per_node", str(procs_per_node), *argv], log, reuse,
-                         lambda: _run(commands, log, timeout_s, {"NETNS_PREFIX": prefix}))
-
-
-def _run(commands: list[list[str]], log: Path, timeout_s: float, extra_env: dict | None = None) -> None:
-    """Start every command, wait for all; on a failure or the timeout kill the others and raise with the log."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
-        processes = [subprocess.Popen(["nice", "-n", "5", *c], stdout=out, stderr=subprocess.STDOUT,
-                                      env={**run_env(), **(extra_env or {})}, cwd=ROOT, start_new_session=True)
-                     for c in commands]
-        try:
-            codes = [p.wait(timeout=timeout_s) for p in processes]
-        except subprocess.TimeoutExpired:
-            codes = None
-        finally:
-            for p in processes:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-                    p.wait()
-    if codes is None or any(codes):
-        tail = log.read_text()[-3000:]
-        raise RuntimeError(f"run failed ({'timeout ' + str(timeout_s) + ' s' if codes is None else codes}); "
-                           f"log {log}:\n{tail}")
-
-
 # ---- reading a run back -----------------------------------------------------------------------
-def read_csv(path: Path) -> list[dict]:
-    with Path(path).open() as f:
-        return list(csv.DictReader(f))
-
-
 def read_metrics(out_dir: Path) -> list[dict]:
     return read_csv(Path(out_dir) / "metrics.csv")
 
@@ -283,31 +185,3 @@ def time_to_target(curve: list[tuple[int, float, float, int]], target: float) ->
     return next((seconds for step, seconds, loss, _ in curve if step > 0 and loss <= target), math.inf)
 
 
-def merged(kept: list[dict], new: list[dict], key_fields: tuple[str, ...]) -> list[dict]:
-    """kept's rows with new's rows replacing those of the same key (the values of key_fields, as strings);
-    new keys appended in new's order. How a campaign updates a committed CSV instead of replacing it."""
-    def key(row: dict) -> tuple:
-        return tuple(str(row[f]) for f in key_fields)
-    replaced = {key(r) for r in new}
-    return [r for r in kept if key(r) not in replaced] + new
-
-
-def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
-    """Rows with exactly `fields` as columns (a missing or extra key is an error, not a blank)."""
-    for row in rows:
-        if list(row) != fields:
-            raise ValueError(f"row columns {list(row)} differ from the schema {fields}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fields)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def print_table(rows: list[dict]) -> None:
-    if not rows:
-        return
-    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in rows[0]}
-    print("  ".join(k.rjust(w) for k, w in widths.items()))
-    for row in rows:
-        print("  ".join(str(row[k]).rjust(w) for k, w in widths.items()))

@@ -10,7 +10,7 @@ torchrun --standalone); its final val loss is the target. With --unlimited all (
 other method runs there too: its step_ms there is its compute, and the difference to its step_ms
 at a rate is what the link adds (the communication/compute split); `--rates` with no rate runs only
 these. A run whose folder under --work-dir holds a finished run of the same arguments made by the same
-code (runs.code_version(): shardopt/, integrations/, the DDP script and its modules, the launchers
+code (campaign.code_version(): shardopt/, integrations/, the DDP script and its modules, the launchers
 with twonode.sh) is read back, not rerun (an interrupted campaign resumes; --rerun runs everything
 again). Then for each rate, launch/netns/twonode.sh
 makes two namespaces joined by a veth pair limited to the rate (tc tbf with a bucket of 4 ms of the
@@ -54,6 +54,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import campaign
 import runs
 from convergence import best_table
 
@@ -73,17 +74,17 @@ def rate_mbit(rate: str) -> float:
 def two_nodes(prefix: str, rate: str):
     """The two namespaces at `rate` for the duration; deleted on the way out, whatever happens."""
     env = {**os.environ, "NETNS_PREFIX": prefix}
-    subprocess.run([str(runs.TWONODE), "up", rate], check=True, env=env)
+    subprocess.run([str(campaign.TWONODE), "up", rate], check=True, env=env)
     try:
         yield
     finally:
-        subprocess.run([str(runs.TWONODE), "down"], env=env)
+        subprocess.run([str(campaign.TWONODE), "down"], env=env)
 
 
 def best_settings(path: Path) -> dict[str, tuple[float, float | None]]:
     """method → its best (lr, scalar lr) (lowest mean final val loss over seeds) in a convergence CSV."""
     return {entry["method"]: (float(entry["lr"]), float(entry["scalar_lr"]) if entry["scalar_lr"] else None)
-            for entry in best_table(runs.read_csv(path))}
+            for entry in best_table(campaign.read_csv(path))}
 
 
 def run_dir(work_dir: Path, procs: int, rate: float, method: str) -> Path:
@@ -187,8 +188,8 @@ def main() -> None:
                              "step time, for the communication/compute split) or only the ddp_adamw target run")
     parser.add_argument("--rerun", action="store_true", help="run again where a finished run would be read back")
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
-    parser.add_argument("--work-dir", type=Path, default=runs.ROOT / "runs" / "slowlink")
-    parser.add_argument("--csv", type=Path, default=runs.ROOT / "results" / "slowlink.csv")
+    parser.add_argument("--work-dir", type=Path, default=campaign.ROOT / "runs" / "slowlink")
+    parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "slowlink.csv")
     args = parser.parse_args()
     if os.geteuid() != 0:
         parser.error("network namespaces need root; run with sudo (or as root)")
@@ -201,45 +202,42 @@ def main() -> None:
     prefix = os.environ.get("NETNS_PREFIX", "bench")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))   # so `finally` tears down
     ports = itertools.count(29650)
-    kept = runs.read_csv(args.csv) if args.csv.exists() else []
-    kept, superseded = split_superseded(kept, settings)
+    targets: dict[int, float] = {}
+    table = campaign.Campaign(args.csv, runs.SLOWLINK_FIELDS, SLOWLINK_KEY,
+                              arrange=lambda rows: ordered(retargeted(rows, targets, args.work_dir), names))
+    table.kept, superseded = split_superseded(table.kept, settings)
     if superseded:
         print(f"dropped {len(superseded)} rows of {args.csv.name} measured at another (lr, scalar lr) than the best in "
               f"{args.lr_from}: " + ", ".join(f"{r['method']} at {r['rate_mbit']} Mbit/s, {r['procs_per_node']} proc/node "
                                                f"({r['lr']}, {r['scalar_lr'] or '-'})" for r in superseded), flush=True)
-    rows, targets, failed = [], {}, []
     print(f"slowlink: vocabulary {args.tokenizer}; {args.steps} steps; methods {', '.join(m.name for m in chosen)}", flush=True)
 
     def measure(method: runs.Method, procs: int, rate: str | None) -> runs.Summary | None:
-        """One run (rate None: on this machine, no link limit); appends its row, or notes its failure."""
+        """One run (rate None: on this machine, no link limit) → its row; None where it failed."""
         mbit = rates[rate] if rate else math.inf
         out = run_dir(args.work_dir, procs, mbit, method.name)
         lr, scalar_lr = settings.get(method.name, (method.lr, method.scalar_lr))
         argv = method.command(lr, scalar_lr, args.seed, out, model, 2, procs)
-        try:
+
+        def start() -> None:
             if rate:
-                runs.run_two_nodes(argv, procs, prefix, next(ports), out / "log.txt", args.run_timeout, not args.rerun)
+                campaign.run_two_nodes(argv, procs, prefix, next(ports), out / "log.txt", args.run_timeout, not args.rerun)
             else:
-                runs.run_local(argv, 2 * procs, out / "log.txt", args.run_timeout, not args.rerun)
-        except RuntimeError as error:      # one failed run does not end a day-long campaign
-            failed.append(f"{method.name} at {rate or 'no limit'}, {procs} proc/node: {str(error)[:200]}")
-            print(f"FAILED {failed[-1]}", flush=True)
+                campaign.run_local(argv, 2 * procs, out / "log.txt", args.run_timeout, not args.rerun)
+        if not table.attempt(f"{method.name} at {rate or 'no limit'}, {procs} proc/node", start):
             return None
         summary = runs.summarize(runs.read_metrics(out))
         targets.setdefault(procs, summary.final_val_loss)    # the first run of each P is ddp_adamw's unlimited one
-        rows.append(row(method, mbit, procs, lr, scalar_lr, summary, targets[procs]))
-        print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-        merged = ordered(retargeted(runs.merged(kept, rows, SLOWLINK_KEY), targets, args.work_dir), names)
-        runs.write_csv(args.csv, runs.SLOWLINK_FIELDS, merged)   # after each run: a partial file is usable
+        table.add(row(method, mbit, procs, lr, scalar_lr, summary, targets[procs]))
         return summary
 
     def refuse_stale_rows(procs: int) -> None:
         """Stop before a campaign whose new target would leave a kept row measured against the old one."""
-        old = [float(r["final_val_loss"]) for r in kept if (r["method"], r["rate_mbit"], int(r["procs_per_node"])) ==
+        old = [float(r["final_val_loss"]) for r in table.kept if (r["method"], r["rate_mbit"], int(r["procs_per_node"])) ==
                (baseline.name, "inf", procs)]
         planned = {(m.name, f"{rates[rate]:g}") for m in chosen for rate in rates} | \
             {(m.name, "inf") for m in (chosen if args.unlimited == "all" else [baseline])}
-        stale = [f"{r['method']} at {r['rate_mbit']} Mbit/s" for r in kept if int(r["procs_per_node"]) == procs
+        stale = [f"{r['method']} at {r['rate_mbit']} Mbit/s" for r in table.kept if int(r["procs_per_node"]) == procs
                  and (r["method"], r["rate_mbit"]) not in planned and row_curve(r, args.work_dir) is None]
         if old and f"{old[0]:.4f}" != f"{targets[procs]:.4f}" and stale:
             raise SystemExit(f"the target at {procs} proc/node changed ({old[0]:.4f} → {targets[procs]:.4f}) and these "
@@ -249,7 +247,7 @@ def main() -> None:
 
     for procs in args.procs_per_node:
         if measure(baseline, procs, None) is None:
-            raise SystemExit(f"the target run (ddp_adamw without a link limit, {procs} proc/node) failed:\n{failed[-1]}")
+            raise SystemExit(f"the target run (ddp_adamw without a link limit, {procs} proc/node) failed:\n{table.failed[-1]}")
         print(f"target ({procs} proc/node): ddp_adamw unlimited final val loss {targets[procs]:.4f}", flush=True)
         refuse_stale_rows(procs)
         for method in chosen if args.unlimited == "all" else []:
@@ -259,8 +257,8 @@ def main() -> None:
             with two_nodes(prefix, rate):
                 for method in chosen:
                     measure(method, procs, rate)
-    runs.print_table(rows)
-    everything = runs.merged(kept, rows, SLOWLINK_KEY)
+    campaign.print_table(table.rows)
+    everything = table.everything()
     targets = {int(r["procs_per_node"]): float(r["final_val_loss"]) for r in everything
                if r["method"] == baseline.name and math.isinf(float(r["rate_mbit"]))}
     curves = {}
@@ -270,9 +268,8 @@ def main() -> None:
             curves[(int(r["procs_per_node"]), float(r["rate_mbit"]), r["method"])] = runs.summarize(runs.read_metrics(out)).curve
     png = args.csv.with_suffix(".png")
     plot(curves, targets, png)
-    print(f"wrote {args.csv} ({len(rows)} rows of this campaign, {len(everything) - len(rows)} kept) and {png}")
-    if failed:
-        raise SystemExit("these runs failed (their rows are missing; logs under --work-dir):\n" + "\n".join(failed))
+    print(f"wrote {args.csv} ({len(table.rows)} rows of this campaign, {len(everything) - len(table.rows)} kept) and {png}")
+    table.finish("--work-dir")
 
 
 if __name__ == "__main__":

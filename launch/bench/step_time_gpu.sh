@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The step-time and memory table of launch/bench_step.py on a CUDA GPU, rows tagged with the device's
+# The step-time and memory table of launch/bench/step_time.py on a CUDA GPU, rows tagged with the device's
 # name, into results/step_time_gpu.csv. Without a CUDA device it says so and exits 0 without a file
 # (no GPU row exists then).
 #
@@ -12,4 +12,4 @@ if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     exit 0
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-exec "$python" launch/bench_step.py --device cuda --rounds "${1:-30}" --csv results/step_time_gpu.csv
+exec "$python" launch/bench/step_time.py --device cuda --rounds "${1:-30}" --csv results/step_time_gpu.csv

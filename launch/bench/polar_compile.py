@@ -1,7 +1,7 @@
 """Newton–Schulz eager vs torch.compile, on the CPU or a GPU: does compiling help?
 
-    python launch/bench_compile.py                                   # CPU fp32, 1 thread
-    python launch/bench_compile.py --device cuda --dtype bfloat16 --csv results/compile_cuda.csv
+    python launch/bench/polar_compile.py                             # CPU fp32, 1 thread
+    python launch/bench/polar_compile.py --device cuda --dtype bfloat16 --csv results/compile_cuda.csv
 
 For each stack of matrices: the time to compile (first call), the median of `--rounds` calls
 eager and compiled, and the largest difference between the two results. shardopt's `compile`
@@ -20,7 +20,7 @@ import torch
 
 from shardopt.polar import polar
 
-from results_table import write_csv
+from campaign import write_csv
 
 SHAPES = [(8, 256, 256), (4, 768, 768), (4, 768, 3072)]
 
@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--csv", default=str(Path(__file__).resolve().parents[1] / "results" / "compile.csv"))
+    parser.add_argument("--csv", default=str(Path(__file__).resolve().parents[2] / "results" / "compile.csv"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = measure(SHAPES, torch.device(args.device), getattr(torch, args.dtype), args.rounds)
@@ -70,7 +70,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['device']:<28}{r['matrices']:<14}{r['compile_s']:>10}{r['eager_ms']:>10}{r['compiled_ms']:>13}"
               f"{r['speedup']:>8}×")
-    write_csv(args.csv, rows)
+    write_csv(args.csv, list(rows[0]), rows)
     print(f"wrote {args.csv}")
 
 

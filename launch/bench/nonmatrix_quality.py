@@ -2,27 +2,28 @@
 vs Lion (1-bit majority vote) for the embeddings, norms and tied head, under Dion and Sign-Muon.
 
     python integrations/data.py --tokenizer bpe      # once
-    python launch/bench_scalar_quality.py            # ~20 torchrun runs of 4 CPU processes (~1 h on 2 cores)
+    python launch/bench/nonmatrix_quality.py         # ~20 torchrun runs of 4 CPU processes (~1 h on 2 cores)
 
 The GPT of integrations/fsdp/train.py on BPE-4096 Shakespeare (the tied embedding/head is 40 % of
 its 1.3 M parameters), 2 replicas × 2 FSDP2 shards, equal steps and tokens for every run. Protocol:
-four scalar learning rates (half-decades) per (matrix optimizer, scalar algorithm) at seed 0; the best of them
-(lowest final val loss) is run again at seed 1; results/scalar_quality.csv reports per (matrix
-optimizer, scalar algorithm) every lr's seed-0 loss, the best lr's two seeds, their mean and the
-ratio to AdamW's mean. A finished run in runs/scalar_quality/ is reused (an interrupted sweep resumes).
+four non-matrix learning rates (half-decades) per (matrix optimizer, non-matrix algorithm) at seed 0;
+the best of them (lowest final val loss) is run again at seed 1; results/scalar_quality.csv reports
+per (matrix optimizer, non-matrix algorithm) every lr's seed-0 loss, the best lr's two seeds, their
+mean and the ratio to AdamW's mean. A finished run in runs/scalar_quality/ is reused (an interrupted sweep resumes).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from campaign import write_csv
+
+ROOT = Path(__file__).resolve().parents[2]
 SCALAR_LRS = {"adamw": (3e-3, 1e-2, 3e-2, 1e-1), "lion": (1e-3, 3e-3, 1e-2, 3e-2)}
 MATRIX = ("signmuon", "dion")
 
@@ -37,10 +38,10 @@ def run(args, optimizer: str, scalar: str, lr: float, seed: int) -> dict:
         return json.loads((out / "summary.json").read_text())
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                str(ROOT / "integrations/fsdp/train.py"), "--replicate", "2", "--shard", "2", "--optimizer", optimizer,
-               "--scalar-algorithm", scalar, "--scalar-lr", str(lr), "--seed", str(seed), "--tokenizer", "bpe",
+               "--nonmatrix-algorithm", scalar, "--nonmatrix-lr", str(lr), "--seed", str(seed), "--tokenizer", "bpe",
                "--rank-fraction", "0.25", "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--eval-every", str(args.steps), "--eval-batches", "16", "--log-every", str(args.steps),
-               "--check-replicas-every", str(args.steps), "--scalar-betas", *map(str, betas), "--out-dir", str(out)]
+               "--check-replicas-every", str(args.steps), "--nonmatrix-betas", *map(str, betas), "--out-dir", str(out)]
     print(f"== {optimizer} + {scalar} (lr {lr:g}), seed {seed}", flush=True)
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
     return json.loads((out / "summary.json").read_text())
@@ -72,13 +73,9 @@ def main() -> None:
                             "lrs_tried": " ".join(f"{lr:g}:{r['final_val_loss']:.4f}" for lr, r in runs.items())}
         for row in best.values():
             summary.append(row | {"vs_adamw": round(row["mean_val_loss"] / best["adamw"]["mean_val_loss"], 4)})
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, list(summary[0]))
-        writer.writeheader()
-        writer.writerows(summary)
+    write_csv(args.csv, list(summary[0]), summary)
     print(args.csv.read_text())
-    print(f"runs in {args.out}; rerun: python launch/bench_scalar_quality.py --steps {args.steps}")
+    print(f"runs in {args.out}; rerun: python launch/bench/nonmatrix_quality.py --steps {args.steps}")
 
 
 if __name__ == "__main__":

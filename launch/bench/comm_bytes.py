@@ -1,18 +1,18 @@
 """Whole-model replicate-axis bytes per step per rank: DDP's all-reduce vs shardopt, every parameter.
 
-    python launch/bench_comm.py                  # formula rows for 5 models + measured rows (2 and 4 processes)
-    python launch/bench_comm.py --no-measure     # formula rows only (seconds)
+    python launch/bench/comm_bytes.py                  # formula rows for 5 models + measured rows (2 and 4 processes)
+    python launch/bench/comm_bytes.py --no-measure     # formula rows only (seconds)
 
 Models (built on the meta device: shapes only, no memory): the demo GPT of integrations/ (byte and
 BPE-4096 vocabularies; tied head), GPT-2 small and medium shapes (no biases; tied head), and
 Llama-3-8B shapes (GQA, SwiGLU, untied 128256×4096 head). The parameters are split by
-`shardopt.param_groups` (embeddings, head, norms → the scalar group; 2-D weights → the matrix
+`shardopt.param_groups` (embeddings, head, norms → the non-matrix group; 2-D weights → the matrix
 group), exactly as a user's run would split them; tied weights count once.
 
 Methods: DDP fp32 and DDP bf16 (a ring all-reduce of every gradient: what users run today),
 Dion at rank_fraction 1/4 and 1/16 (bf16 and fp32 wire), Sign-Muon (vote "auto"); each shardopt
-method with AdamW (full-precision mean) or Lion (1-bit vote) for the scalar group. Formula rows
-come from `shardopt.traffic` (the functions the communication layer counts with, on the buckets
+method with AdamW (full-precision mean) or Lion (1-bit vote) for the non-matrix group (the `scalar`
+column). Formula rows come from `shardopt.traffic` (the functions the communication layer counts with, on the buckets
 the optimizer forms) and include the step's non-finite check; measured rows run one real step on
 gloo processes for the two demo GPTs and read `comm_stats()`, less the double-averaging check that
 step 1 (and every N-th step after) adds: `measured == formula` must hold.
@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "integrations"))
 import shardopt  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from results_table import write_csv  # noqa: E402
+from campaign import write_csv  # noqa: E402
 from shardopt import traffic  # noqa: E402
 
 REPLICAS = (2, 4, 8, 64)
@@ -182,10 +182,10 @@ def main() -> None:
             f"{', replicas identical' if row['replicas_identical'] else ', REPLICAS DIFFER'})"
         print(f"{row['model']:<20} {row['replicas']:>3} {row['method']:<15} {row['scalar']:<6} {row['bytes_per_step']:>16,} "
               f"{'1/' + format(row['vs_ddp_fp32'], '.1f'):>12} {'1/' + format(row['vs_ddp_bf16'], '.1f'):>12}  {check}")
-    write_csv(args.csv, rows)
+    write_csv(args.csv, list(rows[0]), rows)
     bad = [r for r in rows if r["measured_equals_formula"] is False or r["replicas_identical"] is False]
     print(f"\nwrote {args.csv} ({len(rows)} rows) in {time.perf_counter() - start:.0f} s; "
-          f"rerun: python launch/bench_comm.py [--no-measure]")
+          f"rerun: python launch/bench/comm_bytes.py [--no-measure]")
     if bad:
         print(f"MISMATCH: {len(bad)} measured rows differ from the formula or left replicas unequal")
         sys.exit(1)

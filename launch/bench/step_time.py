@@ -1,7 +1,7 @@
 """Optimizer step time and memory per matrix, side by side in one interleaved run.
 
-    python launch/bench_step.py                          # CPU fp32 → results/step_time.csv
-    python launch/bench_step.py --device cuda            # rows tagged with the GPU's name
+    python launch/bench/step_time.py                     # CPU fp32 → results/step_time.csv
+    python launch/bench/step_time.py --device cuda       # rows tagged with the GPU's name
     bash launch/bench/step_time_gpu.sh                   # the prepared GPU run (skips without CUDA)
 
 Matrices: one GPT-2-small layer's {attn.qkv 2304×768, attn.proj 768×768, mlp.fc 3072×768,
@@ -28,7 +28,7 @@ import torch
 
 import shardopt
 
-from results_table import write_csv
+from campaign import write_csv
 
 SHAPES = {"attn.qkv": (2304, 768), "attn.proj": (768, 768), "mlp.fc": (3072, 768), "mlp.proj": (768, 3072),
           "square": (2048, 2048)}
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=21, help="timed rounds (the median is over these)")
     parser.add_argument("--matrices", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--csv", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "step_time.csv")
+    parser.add_argument("--csv", type=Path, default=Path(__file__).resolve().parents[2] / "results" / "step_time.csv")
     args = parser.parse_args()
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
@@ -113,8 +113,8 @@ def main() -> None:
                      "peak_step_bytes": "" if peak is None else peak})
         print(f"{label:<32}{matrix + ' ' + shape:<20}{median * 1e3:>10.1f}{median / baseline:>8.2f}×"
               f"{state / 1e6:>10.2f}{'' if peak is None else f'{peak / 1e6:.2f}':>9}")
-    write_csv(args.csv, rows)
-    print(f"wrote {args.csv}; rerun: python launch/bench_step.py --rounds {args.rounds} --device {args.device}")
+    write_csv(args.csv, list(rows[0]), rows)
+    print(f"wrote {args.csv}; rerun: python launch/bench/step_time.py --rounds {args.rounds} --device {args.device}")
 
 
 if __name__ == "__main__":

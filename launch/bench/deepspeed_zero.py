@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO stages 0/1/2 with shardopt on 2 nodes × 2 ranks: memory per rank, bytes per axis, replicas.
 
-    torchrun --nproc_per_node 4 launch/bench_deepspeed_zero.py            # CPU, gloo, ~1 min
-    torchrun --nproc_per_node 4 launch/bench_deepspeed_zero.py --steps 20 --n-embd 128
+    torchrun --nproc_per_node 4 launch/bench/deepspeed_zero.py            # CPU, gloo, ~1 min
+    torchrun --nproc_per_node 4 launch/bench/deepspeed_zero.py --steps 20 --n-embd 128
 
 The GPT of integrations/model.py in bf16 under shardopt.deepspeed.initialize, for Dion (rank 1/4) and
 Sign-Muon, at "zero_optimization" stage 0 (every rank a replica, the plugin's default) and stages 1
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "integrations"))
 import shardopt.deepspeed  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402

@@ -1,8 +1,8 @@
 """Transient memory and time of one optimizer step, each case in a fresh process.
 
-    python launch/bench_memory.py                     # k = 32 and 128 bf16 1024×1024 matrices, Dion 1/4 and Sign-Muon
-    python launch/bench_memory.py --size 256 --bucket-bytes 1048576   # the scaled-down check the tests run
-    python launch/bench_memory.py --llama1b           # adds one Dion step on Llama-3.2-1B's matrix shapes (fp32)
+    python launch/bench/step_memory.py                # k = 32 and 128 bf16 1024×1024 matrices, Dion 1/4 and Sign-Muon
+    python launch/bench/step_memory.py --size 256 --bucket-bytes 1048576   # the scaled-down check the tests run
+    python launch/bench/step_memory.py --llama1b           # adds one Dion step on Llama-3.2-1B's matrix shapes (fp32)
 
 Transient memory is the RSS high-water mark of the second step above the RSS just before it
 (the first step creates the state, so the second starts from the steady state): the child
@@ -23,9 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from results_table import write_csv
+from campaign import write_csv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
 # Llama-3.2-1B: 16 layers of q, k, v, o, gate, up, down (hidden 2048, 8 KV heads of 64, MLP 8192)
 LLAMA_1B_LAYER = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]
@@ -146,7 +146,7 @@ def main() -> None:
         if not args.json:
             print(f"{row['case']:<40}{row['param_mib']:>11.1f}{row['steady_mib']:>12.1f}{row['transient_mib']:>15.1f}"
                   f"{row['transient_vs_params']:>10.3f}{row['step_s']:>9.2f}", flush=True)
-            write_csv(args.csv, rows)                   # after every row: a long run keeps what it measured
+            write_csv(args.csv, list(rows[0]), rows)     # after every row: a long run keeps what it measured
     if args.json:
         print(json.dumps(rows))
         return
