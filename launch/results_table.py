@@ -32,11 +32,11 @@ SOURCES = {
                  "axis, counted by shardopt's communication layer for every optimizer alike (AdamW's are its "
                  "float32 gradient all-reduce); every step also carries the non-finite check, one float32 "
                  "all-reduced per axis."),
-    "comm.csv": ("python launch/bench_comm.py",
+    "comm.csv": ("python launch/bench/comm_bytes.py",
                  "Replicate-axis bytes per step for five models, whole model (every parameter, tied weights once; "
                  "the formula of `shardopt.traffic`), with ✓ where real gloo runs of the two demo GPTs at 2 and 4 "
                  "processes counted exactly the formula's bytes and left the replicas identical."),
-    "compile.csv": ("python launch/bench_compile.py",
+    "compile.csv": ("python launch/bench/polar_compile.py",
                     "Newton–Schulz through `torch.compile` against eager, per stack of matrices (CPU, one thread): "
                     "why `compile=True` is off by default."),
     "convergence.csv": ("python launch/bench/convergence.py",
@@ -46,19 +46,19 @@ SOURCES = {
     "convergence_best.csv": ("python launch/bench/convergence.py",
                              "Per method, the (lr, non-matrix lr) with the lowest mean final val loss over the seeds "
                              "it ran, and the replicate-axis bytes of the whole run."),
-    "deepspeed_zero.csv": ("torchrun --nproc_per_node 4 launch/bench_deepspeed_zero.py",
+    "deepspeed_zero.csv": ("torchrun --nproc_per_node 4 launch/bench/deepspeed_zero.py",
                            "The DeepSpeed plugin at ZeRO stages 0, 1 and 2 (CPU, gloo, 4 ranks: 4 replicas, or 2 "
                            "nodes × 2): optimizer state, gradient, master and weight bytes per rank, bytes per step "
                            "on each axis, whether the replicas stayed identical, the first and last loss."),
     "fashion_mnist.csv": ("python launch/bench/fashion_mnist.py",
                           "Fashion-MNIST test accuracy (a CNN, conv weights as matrices, 2 replicas): every lr each "
                           "method ran, its seeds in order; the best by seed 0 marked."),
-    "scalar_quality.csv": ("python launch/bench_scalar_quality.py",
+    "scalar_quality.csv": ("python launch/bench/nonmatrix_quality.py",
                            "Lion-vote against AdamW for the non-matrix parameters (BPE-4096: the tied embedding/head "
                            "is 40 % of the 1.3 M parameters; 2 replicas × 2 FSDP2 shards, 200 steps): the best "
                            "non-matrix lr of four at seed 0, its two seeds, and the ratio to AdamW's val loss."),
     "scalar_quality_lion_beta2_099.csv": (
-        "python launch/bench_scalar_quality.py --lion-betas 0.9 0.99 --csv results/scalar_quality_lion_beta2_099.csv",
+        "python launch/bench/nonmatrix_quality.py --lion-betas 0.9 0.99 --csv results/scalar_quality_lion_beta2_099.csv",
         "The same with Lion's betas (0.9, 0.99) instead of (0.9, 0.95)."),
     "slowlink.csv": ("sudo python launch/bench/slowlink.py --lr-from results/convergence.csv",
                      "Time to target on two emulated nodes, the earlier machine, the link's fixed 256 KiB token "
@@ -71,10 +71,10 @@ SOURCES = {
          "sudo python launch/bench/slowlink.py --lr-from results/convergence.csv --rates 100mbit "
          "--methods ddp_adamw signmuon dion_1/4 --csv results/slowlink_4ms_bucket.csv"),
         "The same on the later machine, the token bucket 4 ms of the rate (at least 16 KiB)."),
-    "step_memory.csv": ("python launch/bench_memory.py --llama1b",
+    "step_memory.csv": ("python launch/bench/step_memory.py --llama1b",
                         "The RSS high-water mark of one step above the steady state, a fresh process per row, one "
                         "thread."),
-    "step_time.csv": ("python launch/bench_step.py",
+    "step_time.csv": ("python launch/bench/step_time.py",
                       "Optimizer step time and state memory per matrix (one GPT-2-small layer's four shapes and "
                       "2048²), all optimizers in one interleaved run, as ratios to fp32 Muon on the same matrix (CPU "
                       "compute only, on a 2-core machine shared with other jobs: the ratios mean more than the "
@@ -127,7 +127,7 @@ def training_table(rows: list[dict]) -> str:
 
 
 def comm_table(rows: list[dict], replicas: int = 8) -> str:
-    """bench_comm.py's rows at `replicas` replicas: one line per method (and scalar algorithm), one
+    """comm_bytes.py's rows at `replicas` replicas: one line per method (and scalar algorithm), one
     column per model; a cell is DDP fp32's bytes over this method's (in brackets: over DDP bf16's),
     whole model, with ✓ where real runs at 2 and 4 processes counted exactly the formula's bytes."""
     models = list(dict.fromkeys(r["model"] for r in rows))

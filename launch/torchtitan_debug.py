@@ -23,7 +23,7 @@ def parse_args():
     parser.add_argument("--assets", required=True, help="a torchtitan checkout's tests/assets directory")
     parser.add_argument("--algorithm", choices=("signmuon", "dion"), default="signmuon")
     parser.add_argument("--lr", type=float, default=0.02, help="the matrix params' lr")
-    parser.add_argument("--scalar-lr", type=float, default=8e-4, help="the Lion-vote params' lr")
+    parser.add_argument("--nonmatrix-lr", type=float, default=8e-4, help="the Lion-vote params' lr")
     parser.add_argument("--shard", type=int, default=1, help="GPUs per FSDP2 shard group (the rest replicate)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default="outputs/torchtitan_debug", help="torchtitan's dump folder")
@@ -58,7 +58,7 @@ def main():
     config.parallelism.spmd_backend = "partial_dtensor"    # torchtitan's FSDP2 path
     config.parallelism.data_parallel_shard_degree = args.shard
     config.parallelism.data_parallel_replicate_degree = world // args.shard
-    use_shardopt(config, algorithm=args.algorithm, options={"lr": args.lr}, scalar_options={"lr": args.scalar_lr},
+    use_shardopt(config, algorithm=args.algorithm, options={"lr": args.lr}, nonmatrix_options={"lr": args.nonmatrix_lr},
                  splits={"attention.wqkv": DEBUGMODEL_QKV})
     trainer = config.build()
     try:

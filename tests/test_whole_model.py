@@ -48,7 +48,7 @@ def pool():
 def _train(matrix_algorithm):
     torch.manual_seed(0)
     model = MLPLM()
-    groups = shardopt.param_groups(model, matrix_algorithm, "lion", scalar_options={"lr": 3e-3})
+    groups = shardopt.param_groups(model, matrix_algorithm, "lion", nonmatrix_options={"lr": 3e-3})
     if matrix_algorithm == "dion":
         opt = shardopt.Dion(groups, lr=0.05, rank_fraction=0.25, wire_dtype=torch.bfloat16,
                             replicate_mesh=dist.group.WORLD)

@@ -156,7 +156,7 @@ log(f"model: {model.num_params():,} params, {args.n_layer} layers, width {args.n
 
 # ---- optimizer: the 2-D weights get --optimizer, everything else --nonmatrix-algorithm ----------
 matrix_algorithm = "dion" if args.optimizer == "adamw" else args.optimizer
-groups = shardopt.param_groups(model, matrix_algorithm, args.nonmatrix_algorithm, scalar_options=dict(
+groups = shardopt.param_groups(model, matrix_algorithm, args.nonmatrix_algorithm, nonmatrix_options=dict(
     lr=args.nonmatrix_lr, weight_decay=0.0, betas=tuple(args.nonmatrix_betas)))
 meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed, max_grad_norm=args.clip,
               **(dict(tensor_mesh=mesh["tensor"]) if args.tp > 1 else {}))

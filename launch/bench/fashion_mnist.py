@@ -58,7 +58,7 @@ DEB_NAME = f"{PACKAGE}_{VERSION}_all.deb"
 DEB_SHA256 = "39e172fe32dd318ebb3e512220c3beea2fa47d7e20bab348fb4e0922d6beefc0"
 FILES = "usr/share/datasets/fashion-mnist"
 FIELDS = ["method", "lr", "seed", "steps", "test_accuracy", "final_train_loss", "replicate_bytes_per_step"]
-RUN_KEY = ("method", "lr", "seed")          # one run of the grid (the scalar lr is fixed: 1e-3)
+RUN_KEY = ("method", "lr", "seed")          # one run of the grid (the non-matrix lr is fixed: 1e-3)
 MATCHED_RANK = runs.powersgd_matched_rank(128)     # fc (128 × 3136) carries most of Dion 1/4's bytes
 # label: (peers' method, its options); torch's methods and signSGD
 PEERS = {"powersgd_rank1": ("powersgd", ["--powersgd-rank", "1"]),
@@ -66,7 +66,7 @@ PEERS = {"powersgd_rank1": ("powersgd", ["--powersgd-rank", "1"]),
          "localsgd": ("localsgd", ["--local-period", "8"]), "signsgd": ("signsgd", [])}
 METHODS = {"adamw": 1e-3, "muon": 0.02, "dion_1/4": 0.02, "dion_1/16": 0.02, "signmuon": 1e-3,   # label: default lr
            "powersgd_rank1": 4e-3, f"powersgd_rank{MATCHED_RANK}": 4e-3, "localsgd": 4e-3, "signsgd": 1e-3}
-SCALAR_LR = 1e-3        # the AdamW group (classifier, biases) of muon, dion and signmuon
+NONMATRIX_LR = 1e-3        # the AdamW group (classifier, biases) of muon, dion and signmuon
 
 
 def cache_dir() -> Path:
@@ -136,7 +136,7 @@ def optimizer(model: nn.Module, method: str, lr: float, seed: int):
     if method == "adamw":
         return shardopt.ShardOptimizer([{"params": list(model.parameters()), "algorithm": "adamw", "lr": lr}], {}, **world)
     algorithm = {"muon": "muon", "signmuon": "signmuon"}.get(method, "dion")
-    groups = shardopt.param_groups(model, algorithm, "adamw", scalar_options=dict(lr=SCALAR_LR, weight_decay=0.0))
+    groups = shardopt.param_groups(model, algorithm, "adamw", nonmatrix_options=dict(lr=NONMATRIX_LR, weight_decay=0.0))
     if algorithm == "dion":
         return shardopt.Dion(groups, lr=lr, rank_fraction=1 / int(method.split("/")[1]), **world)
     if algorithm == "signmuon":
