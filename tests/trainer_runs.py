@@ -179,3 +179,5 @@ if __name__ == "__main__":
     result = {"hf": hf, "accelerate": accelerate}[scenario](block, out)
     with open(os.path.join(out, f"result_{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()   # gloo can abort a process that exits with its group alive
