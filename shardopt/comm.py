@@ -268,10 +268,8 @@ class CountingAxis(Axis):
     one byte model, the step's own code."""
 
     def __init__(self, name: str, size: int = 1, rank: int = 0):
-        if name not in AXIS_NAMES:
-            raise ValueError(f"axis name must be one of {AXIS_NAMES}, got {name!r}")
-        self.name, self.group, self.size, self.rank = name, None, size, rank
-        self.reset_stats()
+        super().__init__(name)   # an axis of one rank, no group
+        self.size, self.rank = size, rank
 
     def _start(self, collective, *args, **kwargs):
         return None

@@ -63,20 +63,17 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", nonmatrix_alg
     The keywords scalar_algorithm, scalar_options and scalar_names (before 0.3) still work, with a
     DeprecationWarning.
     """
-    spelled = {}   # new keyword → the deprecated one the caller used (errors name what was passed)
-    for old, value in deprecated.items():
+    for old in deprecated:
         if old not in DEPRECATED_KEYWORDS:
             raise TypeError(f"param_groups() got an unexpected keyword argument {old!r}")
-        new = DEPRECATED_KEYWORDS[old]
-        spelled[new] = old
-        warnings.warn(f"param_groups({old}=...) is deprecated; use {new}=...", DeprecationWarning, stacklevel=2)
-    given = {"nonmatrix_algorithm": nonmatrix_algorithm, "nonmatrix_options": nonmatrix_options,
-             "nonmatrix_names": nonmatrix_names}
-    given.update({new: deprecated[old] for new, old in spelled.items()})
-    nonmatrix_algorithm, nonmatrix_options, nonmatrix_names = given.values()
+        warnings.warn(f"param_groups({old}=...) is deprecated; use {DEPRECATED_KEYWORDS[old]}=...", DeprecationWarning,
+                      stacklevel=2)
+    nonmatrix_algorithm = deprecated.get("scalar_algorithm", nonmatrix_algorithm)
+    nonmatrix_options = deprecated.get("scalar_options", nonmatrix_options)
+    nonmatrix_names = deprecated.get("scalar_names", nonmatrix_names)
+    nonmatrix_keyword = "scalar_algorithm" if "scalar_algorithm" in deprecated else "nonmatrix_algorithm"
     for keyword, value, allowed in (("matrix_algorithm", matrix_algorithm, registry.matrix_algorithms()),
-                                    (spelled.get("nonmatrix_algorithm", "nonmatrix_algorithm"), nonmatrix_algorithm,
-                                     registry.nonmatrix_algorithms())):
+                                    (nonmatrix_keyword, nonmatrix_algorithm, registry.nonmatrix_algorithms())):
         if value not in allowed:
             raise ValueError(f"Invalid {keyword}: {value!r}; allowed: {', '.join(map(repr, allowed))}")
     modules = dict(model.named_modules())

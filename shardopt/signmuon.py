@@ -111,7 +111,7 @@ def options(group: dict) -> dict:
             "nesterov": group["nesterov"], "orthogonalize": group["orthogonalize"],
             "wire_dtype": getattr(torch, group["wire_dtype"]),
             "polar": functools.partial(polar, steps=group["ns_steps"], dtype=ns_dtype, compile=group["compile"]),
-            "post_polar": group.get("post_polar", False), "lr_scale": group.get("lr_scale", "none")}
+            "post_polar": group["post_polar"], "lr_scale": group["lr_scale"]}
 
 
 def direction(grads, states, *, layout: MatrixLayout, axes, momentum: float, nesterov: bool, orthogonalize: str,

@@ -104,6 +104,8 @@ def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCK
     one replica and the check on) the double-averaging check's bytes at the steps it runs."""
     lines, numel_total = [], 0
     total = nonfinite_check_bytes(replicas) * (2 if clipping else 1)
+    if shard is None or tensor is None:
+        shard, tensor = model_axes(groups)   # once for the model, not once per group
     for group in groups:
         sent = group_bytes(group, replicas, bucket_bytes, shard, tensor)
         numel = sum(local(p).numel() for p in group["params"])
