@@ -33,6 +33,8 @@ class Algorithm:
     init_state(param, group, seed) → dict of those tensors.
     state_shapes(param, group) → {key: (global shape, local shape)} of those tensors (checks.py).
     b_side_state: state keys whose rows are each matrix's b side (Dion's Q), not the param's.
+    momentum: the hyperparameter that is its momentum (torch's `momentum` / AdamW's betas[0]) for the
+        momentum-cycling lr schedulers (hyperparams.follow_momentum_schedule); "betas": betas[0].
     decoupled_momentum: the state key each replica keeps for itself (averaged by
         synchronize_for_checkpoint), or None when the replicas' state agrees already.
     work_ranks(layout, group, replicas) → how many ranks share a bucket's work (a bucket holds a
@@ -58,4 +60,5 @@ class Algorithm:
     plan_keys: tuple = ()
     b_side_state: tuple = ()
     decoupled_momentum: str | None = None
+    momentum: str = "betas"
     work_ranks: Callable = field(default=lambda layout, group, replicas: 1)

@@ -192,4 +192,4 @@ DION = Algorithm(
     plan_keys=("rank_fraction", "rank_multiple_of", "wire_dtype", "split"),
     init_state=init_state, state_shapes=state_shapes, step=step, options=options, exchange=exchange,
     describe_exchange=lambda group: f"rank_fraction {group['rank_fraction']:g}, {group['wire_dtype']} factors",
-    b_side_state=("Q",), decoupled_momentum="momentum", work_ranks=work_ranks)
+    b_side_state=("Q",), decoupled_momentum="momentum", momentum="mu", work_ranks=work_ranks)

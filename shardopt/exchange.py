@@ -63,9 +63,11 @@ class Vote:
 
     fmt: VoteFormat
 
-    def signs(self, positive: torch.Tensor, replicate: Axis, seed: int, abstain: torch.Tensor | None = None):
-        """V = sign(Σ_replicas sᵢ), int8 (n,) (see VoteFormat.exchange)."""
-        return (yield from self.fmt.exchange(positive, replicate, seed, abstain))
+    def signs(self, positive: torch.Tensor, replicate: Axis, seed: int, abstain: torch.Tensor | None = None,
+              silent: torch.Tensor | None = None):
+        """V = sign(Σ_replicas sᵢ), int8 (n,) (see VoteFormat.exchange: `abstain` per entry, `silent`
+        per matrix)."""
+        return (yield from self.fmt.exchange(positive, replicate, seed, abstain, silent))
 
 
 @dataclass(frozen=True)

@@ -156,3 +156,13 @@ RANK_MULTIPLE_OF = Hyperparameter(1, lambda group, key, index: integer(group, ke
 QR_METHOD = Hyperparameter("qr", _choices(QR_METHODS))
 POST_POLAR = Hyperparameter(False, flag)
 LR_SCALE = Hyperparameter("none", _choices(LR_SCALES))
+
+
+def follow_momentum_schedule(group: dict, momentum: str) -> None:
+    """torch's CyclicLR and OneCycleLR with cycle_momentum=True cycle betas[0] of every group (the
+    optimizer's defaults have "betas": the non-matrix AdamW and Lion groups' key) and mark each group
+    they drive with "base_momentum"; such a group whose algorithm's momentum is another key
+    (`Algorithm.momentum`: Sign-Muon's and Muon's "momentum", Dion's "mu") takes it from betas[0],
+    so the schedule drives the momentum the step uses (and the group shows it)."""
+    if momentum != "betas" and "base_momentum" in group:
+        group[momentum] = group["betas"][0]

@@ -48,7 +48,7 @@ from .clipping import clip_grad_norm_
 from .comm import Axes, Axis
 from .exchange import MEAN
 from .guard import replicas_equal
-from .hyperparams import normalize_dtype_names, validate_group
+from .hyperparams import follow_momentum_schedule, normalize_dtype_names, validate_group
 from .matrices import param_matrices
 from .placement import derive_meshes, local, tensor_split
 from .plan import Plans, group_steps
@@ -154,6 +154,7 @@ class ShardOptimizer(torch.optim.Optimizer):
             if not params:
                 continue
             record = registry.algorithm(group["algorithm"], index)
+            follow_momentum_schedule(group, record.momentum)
             for param in params:        # every param gets state, also one with no local matrix
                 state = self.state[param]
                 if not state:

@@ -4,7 +4,10 @@ For a stack of k same-shape matrices X (m×n, local block m_i×n_j) with gradien
 
     M ← β·M + (1−β)·G                      EMA momentum (one buffer)
     U ← polar((1−β)·G + β·M if nesterov else M)   Newton–Schulz, `ns_steps` steps
-    Sign-Muon:  V ← vote(sign(U))          majority over the replicate axis, sign(0) = +1
+    Sign-Muon:  V ← vote(sign(U))          majority over the replicate axis, sign(0) = +1; a matrix
+                                           whose U-input is exactly zero (so U = 0) is silent: it
+                                           votes on none of its entries (vote.py), and where every
+                                           replica is silent V = 0 there
                 V ← polar(V) if post_polar
                 X ← (1 − lr·wd)·X − lr·s·V,  s = 1 ("none") or 1/√n ("unit_gain")
     Muon:       G is first averaged over the replicate axis (full-precision all-reduce);
@@ -140,6 +143,12 @@ def apply(params, update, *, lr: float, weight_decay: float, scale: float) -> No
         param.mul_(1 - lr * weight_decay).add_(matrix.to(param.dtype), alpha=-lr * scale)
 
 
+def silence_flags(layout: MatrixLayout, numel: int) -> int:
+    """The silence flags of a bucket's vote (vote.py): one per matrix block, none on a rank whose
+    blocks are empty (nothing to vote on)."""
+    return numel // (layout.rows * layout.cols) if numel else 0
+
+
 def step(params, grads, states, *, layout: MatrixLayout, exchange: Vote, axes, seed: int, lr: float,
          weight_decay: float, post_polar: bool, lr_scale: str, polar, **direction_options):
     """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place), the
@@ -147,8 +156,9 @@ def step(params, grads, states, *, layout: MatrixLayout, exchange: Vote, axes, s
     U = yield from direction(grads, states, layout=layout, axes=axes, polar=polar, **direction_options)
     shape = U.shape
     positive = positive_signs(U).reshape(-1)
+    silent = ~U.reshape(shape[0], -1).any(1) if U.numel() else None   # (k,): a zero momentum has no direction
     del U
-    V = (yield from exchange.signs(positive, axes.replicate, seed)).view(shape)
+    V = (yield from exchange.signs(positive, axes.replicate, seed, silent=silent)).view(shape)
     update = polar(V.to(compute_dtype(params[0].dtype))) if post_polar else V
     apply(params, update, lr=lr, weight_decay=weight_decay, scale=1.0 if lr_scale == "none" else 1 / math.sqrt(layout.shape[1]))
 
@@ -167,14 +177,15 @@ _MUON_KEYS = {"lr": H.LR, "weight_decay": H.WEIGHT_DECAY, "momentum": H.MOMENTUM
 _MATRIX_KEYS = {"orthogonalize": H.ORTHOGONALIZE_KEY, "wire_dtype": H.WIRE_DTYPE, "state_dtype": H.STATE_DTYPE,
                 "compile": H.COMPILE, "split": H.SPLIT}
 _COMMON = dict(matrix=True, state_keys=("momentum",), init_state=init_state, state_shapes=state_shapes,
-               options=options, decoupled_momentum="momentum", work_ranks=work_ranks)
+               options=options, decoupled_momentum="momentum", momentum="momentum", work_ranks=work_ranks)
 
 SIGN_MUON = Algorithm(
     name="signmuon", step=step,
     hyperparameters={**_MUON_KEYS, "post_polar": H.POST_POLAR, "lr_scale": H.LR_SCALE, "vote": H.VOTE,
                      **_MATRIX_KEYS},
     plan_keys=("vote", "orthogonalize", "split"),
-    exchange=lambda group, layout, numel, replicas: Vote(vote_format(group["vote"], numel, replicas)),
+    exchange=lambda group, layout, numel, replicas: Vote(vote_format(group["vote"], numel, replicas,
+                                                                     silence_flags(layout, numel))),
     describe_exchange=lambda group: f"1-bit vote ({group['vote']})", **_COMMON)
 
 MUON = Algorithm(

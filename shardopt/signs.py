@@ -63,15 +63,35 @@ def count_positive(packed: torch.Tensor, n: int) -> torch.Tensor:
     return counts
 
 
-def majority(positive_counts: torch.Tensor, voters: int, tie_break: torch.Tensor | None) -> torch.Tensor:
+def majority(positive_counts: torch.Tensor, voters, tie_break: torch.Tensor | None) -> torch.Tensor:
     """V = sign(Σ sᵢ) from the count c of +1 votes among `voters`: Σ sᵢ = 2c − voters, so
-    V = +1 where c > ⌊voters/2⌋, −1 where c < ⌈voters/2⌉ (comparisons only, no wider integers).
+    V = +1 where c > voters − c, −1 where c < voters − c (comparisons only, no wider integers).
 
-    Ties (2c = voters) give 0 when tie_break is None, else tie_break (a ±1 tensor
-    the shape of positive_counts). Returns int8 in {−1, 0, +1}.
+    `voters`: an int (every entry), or a tensor the shape of positive_counts in its dtype (how many
+    replicas voted on each entry, c ≤ voters; 0 ⇒ V = 0: nobody voted). Ties (2c = voters > 0) give 0
+    when tie_break is None, else tie_break (a ±1 tensor the shape of positive_counts). Returns int8
+    in {−1, 0, +1}.
     """
-    half = voters // 2
-    V = (positive_counts > half).to(torch.int8).sub_((positive_counts < voters - half).to(torch.int8))
+    if isinstance(voters, int):
+        half = voters // 2
+        V = (positive_counts > half).to(torch.int8).sub_((positive_counts < voters - half).to(torch.int8))
+        tie = V == 0
+    else:
+        negative_counts = voters - positive_counts
+        V = (positive_counts > negative_counts).to(torch.int8).sub_((positive_counts < negative_counts).to(torch.int8))
+        tie = (V == 0) & (voters > 0)
     if tie_break is not None:
-        V = torch.where(V == 0, tie_break.to(torch.int8), V)
+        V = torch.where(tie, tie_break.to(torch.int8), V)
     return V
+
+
+def per_entry(values: torch.Tensor, entries: int, start: int, length: int, fill=0) -> torch.Tensor:
+    """Entries [start, start + length) of values (k,) repeated `entries` times each (matrix j of a
+    stack owns entries [j·entries, (j+1)·entries)), `fill` beyond the k·entries: (length,), values'
+    dtype, made without an index tensor."""
+    k = values.numel()
+    first, last = min(start // entries, k), min(-(-(start + length) // entries), k)
+    spread = values[first:last, None].expand(last - first, entries).reshape(-1)[start - first * entries:]
+    if spread.numel() >= length:
+        return spread[:length]
+    return torch.cat([spread, spread.new_full((length - spread.numel(),), fill)])

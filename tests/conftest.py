@@ -18,6 +18,21 @@ def pool2():
 
 
 @pytest.fixture(scope="module")
+def pools():
+    """pools(M): gloo workers of M processes, each size started once per test module that asks."""
+    made = {}
+
+    def get(world_size):
+        if world_size not in made:
+            made[world_size] = WorkerPool(world_size)
+        return made[world_size]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+@pytest.fixture(scope="module")
 def pool4():
     """Four gloo workers, started once per test module that asks for them."""
     pool = WorkerPool(4)

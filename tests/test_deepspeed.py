@@ -160,7 +160,7 @@ def _signmuon_engine_exchanges_itself():
     _train(engine, 9, first=1)
     matrices = [p for p in engine.module.parameters() if p.ndim == 2]
     nonmatrix_bytes = 4 * sum(p.numel() for p in engine.module.parameters() if p.ndim != 2)
-    per_step = sum(vote_bytes(resolve_vote("auto", p.numel(), 2), p.numel(), 2) for p in matrices) \
+    per_step = sum(vote_bytes(resolve_vote("auto", p.numel(), 2, 1), p.numel(), 2, 1) for p in matrices) \
         + collective_bytes("all_reduce", nonmatrix_bytes, 2) + 2 * collective_bytes("all_reduce", 4, 2)  # + flag, norm
     sent = ours.comm_stats()["replicate"]["bytes_sent"]
     return (local_grads_differ, len(engine_allreduces), engine.enable_backward_allreduce, ours.replicas_consistent(),

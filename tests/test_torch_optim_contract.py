@@ -160,3 +160,49 @@ def test_unnamed_param_error_names_its_group_once():
         shardopt.Dion([{"params": [nn.Parameter(torch.zeros(2, 2))]},
                        {"params": [torch.zeros(2, 2, dtype=torch.int64)], "algorithm": "adamw"}])
     assert str(error.value).count("param group 1") == 1
+
+
+MOMENTUM_KEY = {"dion": "mu", "signmuon": "momentum", "muon": "momentum"}
+
+
+@pytest.mark.parametrize("scheduler", ["cyclic", "onecycle"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_cycle_lr_and_onecycle_lr_cycle_every_algorithms_momentum(case, scheduler):
+    """CyclicLR / OneCycleLR with cycle_momentum write betas[0] of every group (our defaults have
+    "betas"); the matrix group's own momentum (Dion's mu, Sign-Muon's and Muon's momentum) follows it,
+    and the step uses it: bitwise the run whose momentum is set by hand to the same values."""
+    model, by_hand = _model(), _model()
+    optimizer, reference = _build(case, model), _build(case, by_hand)
+    if scheduler == "cyclic":
+        schedule = torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=1e-3, max_lr=1e-2, step_size_up=2,
+                                                     base_momentum=0.8, max_momentum=0.9)
+    else:
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=6,
+                                                       base_momentum=0.8, max_momentum=0.9)
+    key = MOMENTUM_KEY[case[1]]
+    seen = set()
+    for step in range(5):
+        for group, manual in zip(optimizer.param_groups, reference.param_groups):
+            manual["lr"], manual["betas"] = group["lr"], group["betas"]
+            if group["algorithm"] == case[1]:
+                manual[key] = group["betas"][0]
+        _train(model, optimizer, 1, start=step)
+        _train(by_hand, reference, 1, start=step)
+        matrix_group = next(g for g in optimizer.param_groups if g["algorithm"] == case[1])
+        assert matrix_group[key] == matrix_group["betas"][0]
+        seen.add(round(matrix_group[key], 6))
+        schedule.step()
+    assert len(seen) >= 3                       # it did cycle
+    assert _same(model, by_hand)
+
+
+def test_momentum_is_left_alone_without_a_momentum_schedule():
+    """No cycle_momentum: betas[0] of a matrix group is not the momentum; setting it changes nothing."""
+    model = _model()
+    optimizer = _build(CASES[2], model)
+    torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=1e-3, max_lr=1e-2, cycle_momentum=False)
+    group = optimizer.param_groups[0]
+    momentum = group["momentum"]
+    group["betas"] = (0.5, 0.99)
+    _train(model, optimizer, 1)
+    assert group["momentum"] == momentum != 0.5
