@@ -10,6 +10,7 @@ import torch
 
 from .algorithm import Hyperparameter
 from .lowrank import QR_METHODS
+from .polar import SCHEDULES
 from .vote import VOTES
 
 LR_SCALES = ("none", "unit_gain")
@@ -147,6 +148,7 @@ MOMENTUM = Hyperparameter(0.9, _range(0.0, 1.0))
 NESTEROV = Hyperparameter(False, flag)
 NS_STEPS = Hyperparameter(5, lambda group, key, index: integer(group, key, index, 1))
 NS_DTYPE = Hyperparameter(None, _choices((None,) + NS_DTYPES))
+NS_COEFFICIENTS = Hyperparameter("quintic", _choices(tuple(SCHEDULES)))   # Newton–Schulz schedule (shardopt/polar.py)
 COMPILE = Hyperparameter(False, flag)   # torch.compile the Newton–Schulz iterations (eager if compiling fails)
 ORTHOGONALIZE_KEY = Hyperparameter("shard", _choices(ORTHOGONALIZE))
 # Dion

@@ -3,7 +3,7 @@
 For a stack of k same-shape matrices X (m×n, local block m_i×n_j) with gradient G:
 
     M ← β·M + (1−β)·G                      EMA momentum (one buffer)
-    U ← polar((1−β)·G + β·M if nesterov else M)   Newton–Schulz, `ns_steps` steps
+    U ← polar((1−β)·G + β·M if nesterov else M)   Newton–Schulz, `ns_steps` steps of `ns_coefficients`
     Sign-Muon:  V ← vote(sign(U))          majority over the replicate axis, sign(0) = +1; a matrix
                                            whose U-input is exactly zero (so U = 0) is silent: it
                                            votes on none of its entries (vote.py), and where every
@@ -107,13 +107,14 @@ def work_ranks(layout: MatrixLayout, group: dict, replicas: int) -> int:
 
 
 def options(group: dict) -> dict:
-    """The step's keyword arguments; `polar`: polar with the group's Newton–Schulz steps, dtype (None:
-    bf16 on CUDA, fp32 elsewhere) and `compile` option."""
+    """The step's keyword arguments; `polar`: polar with the group's Newton–Schulz steps, coefficient
+    schedule, dtype (None: bf16 on CUDA, fp32 elsewhere) and `compile` option."""
     ns_dtype = getattr(torch, group["ns_dtype"]) if group["ns_dtype"] else None
     return {"lr": group["lr"], "weight_decay": group["weight_decay"], "momentum": group["momentum"],
             "nesterov": group["nesterov"], "orthogonalize": group["orthogonalize"],
             "wire_dtype": getattr(torch, group["wire_dtype"]),
-            "polar": functools.partial(polar, steps=group["ns_steps"], dtype=ns_dtype, compile=group["compile"]),
+            "polar": functools.partial(polar, steps=group["ns_steps"], dtype=ns_dtype, compile=group["compile"],
+                                       coefficients=group["ns_coefficients"]),
             "post_polar": group["post_polar"], "lr_scale": group["lr_scale"]}
 
 
@@ -173,7 +174,7 @@ def muon_step(params, grads, states, *, layout: MatrixLayout, exchange: Mean, ax
 
 
 _MUON_KEYS = {"lr": H.LR, "weight_decay": H.WEIGHT_DECAY, "momentum": H.MOMENTUM, "nesterov": H.NESTEROV,
-              "ns_steps": H.NS_STEPS, "ns_dtype": H.NS_DTYPE}
+              "ns_steps": H.NS_STEPS, "ns_coefficients": H.NS_COEFFICIENTS, "ns_dtype": H.NS_DTYPE}
 _MATRIX_KEYS = {"orthogonalize": H.ORTHOGONALIZE_KEY, "wire_dtype": H.WIRE_DTYPE, "state_dtype": H.STATE_DTYPE,
                 "compile": H.COMPILE, "split": H.SPLIT}
 _COMMON = dict(matrix=True, state_keys=("momentum",), init_state=init_state, state_shapes=state_shapes,

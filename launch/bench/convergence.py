@@ -6,13 +6,16 @@
 
     python launch/bench/convergence.py --seeds 0 --best-seeds 1   # 3 lrs at seed 0, the best lr also at seed 1
     python launch/bench/convergence.py --methods ddp_adamw --lr-factors 1 --nonmatrix-lrs 0.01 0.03   # scalar lrs
+    python launch/bench/convergence.py --methods signmuon_lion --lr-factors 0.5 --ns-steps 1 2 3 5 \
+        --ns-coefficients quintic polar_express --csv results/polar_convergence.csv   # Newton–Schulz variants
 
 Each run: torchrun --standalone with 2 × 2 ranks (two "nodes" of two ranks on this machine):
 shardopt's methods on a (replicate 2, shard 2) mesh, the DDP ones on 4 ranks with 2 ranks per node
 (so their bytes between the two groups of ranks count as replicate bytes). Learning rates: each
 method's default × --lr-factors for the 2-D weights, and --nonmatrix-lrs (default: the method's own) for
 the embeddings, tied head and norms (signsgd has one lr for everything: no scalar lr). Every method
-sees the same batches (same seed → same data).
+sees the same batches (same seed → same data). --ns-steps / --ns-coefficients run each chosen Sign-Muon
+method once per (steps, schedule), labelled e.g. signmuon_lion_ns2_polar_express (runs.polar_variant).
 A run whose folder under --runs-dir holds a finished run of the same command is read back, not rerun
 (slowlink.py keeps its own runs: its step times come from a machine doing nothing else).
 
@@ -42,6 +45,7 @@ import runs
 
 sys.path.insert(0, str(campaign.ROOT / "integrations"))
 import training  # noqa: E402  (integrations/training.py: the renamed option)
+from shardopt.polar import SCHEDULES  # noqa: E402
 
 BEST_FIELDS = ["method", "lr", "scalar_lr", "seeds", "final_val_loss_mean", "final_val_loss_min", "final_val_loss_max",
                "replicate_bytes_total"]
@@ -112,12 +116,19 @@ def main() -> None:
                         help="more seeds, run only at each method's best setting over --seeds (a cheaper second seed)")
     parser.add_argument("--rerun-for-curves", action="store_true",
                         help="run a best setting whose curve is not in the curves CSV again, for the PNG")
+    parser.add_argument("--ns-steps", nargs="+", type=int, default=None,
+                        help="Newton–Schulz steps of each Sign-Muon variant (default: the training script's)")
+    parser.add_argument("--ns-coefficients", nargs="+", choices=tuple(SCHEDULES), default=None,
+                        help="Newton–Schulz schedules of each Sign-Muon variant (default: quintic)")
     runs.add_model_arguments(parser)
     parser.add_argument("--run-timeout", type=float, default=3600.0)
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS, help="one folder per run (reused when finished)")
     parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "convergence.csv")
     args = parser.parse_args()
     chosen = runs.select(runs.methods(args.n_embd), args.methods)
+    if args.ns_steps or args.ns_coefficients:
+        chosen = [runs.polar_variant(method, steps, coefficients) for method in chosen
+                  for coefficients in args.ns_coefficients or ["quintic"] for steps in args.ns_steps or [5]]
     model = runs.model_args(args)
     print(f"convergence: vocabulary {args.tokenizer}; 2 × 2 ranks; {args.steps} steps; "
           f"{len(chosen)} methods × {len(args.lr_factors)} lrs × {len(args.nonmatrix_lrs or [None])} scalar lrs × "
@@ -160,7 +171,7 @@ def main() -> None:
                 (int(r["step"]), float(r["val_loss"]), int(r["replicate_bytes"])))
         return found
 
-    by_name = {m.name: m for m in runs.methods(args.n_embd)}
+    by_name = {m.name: m for m in [*runs.methods(args.n_embd), *chosen]}
     with_curve = {key[:-1] for key in curves_by_run()}
     for entry in best:
         if setting(entry) not in with_curve:

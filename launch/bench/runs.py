@@ -12,6 +12,7 @@ evaluations, start-up and rendezvous are not in any method's time to target.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -92,6 +93,17 @@ def methods(n_embd: int) -> list[Method]:
         Method("dion_1/4_lion", FSDP_TRAIN, ("--optimizer", "dion", "--rank-fraction", "0.25",
                                             "--nonmatrix-algorithm", "lion"), 0.02, LION_SCALAR_LR),
     ]
+
+
+def polar_variant(method: Method, ns_steps: int, coefficients: str) -> Method:
+    """`method` (one of Sign-Muon's or Muon's) with `ns_steps` Newton–Schulz steps of the `coefficients`
+    schedule (shardopt/polar.py), labelled e.g. signmuon_lion_ns2_polar_express."""
+    optimizer = method.args[method.args.index("--optimizer") + 1] if "--optimizer" in method.args else None
+    if optimizer not in ("signmuon", "muon"):
+        raise SystemExit(f"--ns-steps/--ns-coefficients: {method.name} has no Newton–Schulz step of shardopt's "
+                         f"(choose signmuon methods)")
+    return dataclasses.replace(method, name=f"{method.name}_ns{ns_steps}_{coefficients}",
+                               args=(*method.args, "--ns-steps", str(ns_steps), "--ns-coefficients", coefficients))
 
 
 def select(all_methods: list[Method], names: list[str] | None) -> list[Method]:
