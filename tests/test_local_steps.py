@@ -308,3 +308,84 @@ def test_bad_inputs_name_the_parameter(pool2):
     inner, ddp = pool2.run(_refused, "inner"), pool2.run(_refused, "model")
     assert all(message and "inner" in message and "replicate_mesh" in message for message in inner)
     assert all(message and "model" in message and "DistributedDataParallel" in message for message in ddp)
+
+
+# ---- FSDP2 / HSDP: 2 replicas × 2 shards, DCP ------------------------------------------------------
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(_params())
+
+
+def _hsdp(kind):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _Model()
+    fully_shard(model, mesh=mesh["shard"])
+    params = list(model.parameters())
+    inner = _inner(kind, params) if kind != "signmuon" else shardopt.SignMuon(
+        [{"params": [p for p in params if p.ndim == 2]}, {"params": [p for p in params if p.ndim != 2],
+                                                            "algorithm": "lion"}], lr=0.01, shard_mesh=mesh["shard"])
+    opt = shardopt.LocalSteps(inner, replicate_mesh=mesh["replicate"], sync_every=2, exchange="int8", block=BLOCK)
+    return mesh, model, params, opt
+
+
+def _hsdp_gradients(mesh, params, step):
+    from torch.distributed.tensor import DTensor
+    replica, shard = mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")
+    for param, grad in zip(params, _gradients(step, replica)):
+        rows = -(-grad.shape[0] // 2)
+        piece = grad[shard * rows:(shard + 1) * rows]
+        param.grad = DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False,
+                                        shape=param.shape, stride=param.stride())
+
+
+def _hsdp_run(kind, directory, stop=3, total=6):
+    """Bytes per step and replica equality of a straight run; then a run stopped at `stop`, saved with
+    DCP, loaded into a new model and optimizer and continued: the weights' hashes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    mesh, model, params, opt = _hsdp(kind)
+    sent, consistent = [], []
+    for step in range(1, total + 1):
+        _hsdp_gradients(mesh, params, step)
+        opt.step()
+        sent.append(opt.comm_stats()["replicate"]["bytes_sent"])
+        opt.reset_comm_stats()
+        consistent.append(opt.replicas_consistent())
+        opt.reset_comm_stats()
+    straight = _hash([p.to_local() for p in params])
+    local_numel = sum(p.to_local().numel() for p in params)
+    outer_is_dtensor = type(opt.state_dict()["state"][0]["outer_params"]).__name__ == "DTensor"
+    mesh, model, params, opt = _hsdp(kind)
+    for step in range(1, stop + 1):
+        _hsdp_gradients(mesh, params, step)
+        opt.step()
+    # every replica's weights, inner state and error feedback are its own: one DCP checkpoint per replica,
+    # written by that replica's shard ranks (DCP would keep one copy of what looks replicated)
+    replica = f"{directory}/replica_{mesh.get_local_rank('replicate')}"
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=replica, process_group=mesh["shard"].get_group())
+    mesh, model, params, opt = _hsdp(kind)
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=replica, process_group=mesh["shard"].get_group())
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for step in range(stop + 1, total + 1):
+        _hsdp_gradients(mesh, params, step)
+        opt.step()
+    return {"sent": sent, "consistent": consistent, "local_numel": local_numel, "straight": straight,
+            "resumed": _hash([p.to_local() for p in params]), "outer_is_dtensor": outer_is_dtensor}
+
+
+@pytest.mark.parametrize("kind", ["signmuon", "adamw"])
+def test_hsdp_sends_the_formula_per_shard_and_resumes_through_dcp(pool4, tmp_path, kind):
+    results = pool4.run(_hsdp_run, kind, str(tmp_path / "checkpoint"))
+    for rank, result in enumerate(results):
+        expected = reference.outer_bytes("int8", result["local_numel"], 2, BLOCK)
+        assert result["sent"] == [0, expected + CHECK_BYTES, 0, expected, 0, expected], (rank, result["sent"])
+        assert result["consistent"][1::2] == [True] * 3 and result["outer_is_dtensor"]
+        assert result["resumed"] == result["straight"]
+    assert results[0]["straight"] == results[2]["straight"] and results[1]["straight"] == results[3]["straight"]
+    assert results[0]["local_numel"] != results[1]["local_numel"] or results[0]["straight"] != results[1]["straight"]
