@@ -22,10 +22,11 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from .comm import Axis
+from .comm import Axes, Axis
+from .dion import compressed, init_state, rank_of
 from .guard import check_not_double_averaged, replicas_equal
-from .outer import EXCHANGES, outer_format
-from .placement import derive_meshes, is_dtensor, local
+from .outer import EXCHANGES, LowRank, LowRankMatrix, outer_format
+from .placement import derive_meshes, is_dtensor, local, matrix_layout
 from .schedule import complete
 
 logger = logging.getLogger("shardopt")
@@ -94,7 +95,9 @@ class LocalSteps(torch.optim.Optimizer):
     replicate_mesh: 1-D DeviceMesh or ProcessGroup of the replicas (the slow axis).
     sync_every: H ≥ 1, inner steps per round.
     outer_lr, outer_momentum, nesterov: the outer SGD (MuLoCo's 0.7 / 0.6 / Nesterov by default).
-    exchange: one of outer.EXCHANGES ("mean", "mean_bf16", "int8", "int4", "sign_vote").
+    exchange: one of outer.EXCHANGES ("mean", "mean_bf16", "int8", "int4", "sign_vote", "lowrank").
+    rank_fraction: "lowrank"'s r = ⌈rank_fraction·min(m, n)⌉ per 2-D param (one whose (a+b)·r < a·b;
+        the others go by sign_vote), with a warm-started Q (b×r, N(0,1) from the seed) in the state.
     block: entries per scale of "int8" / "int4" / "sign_vote"; vote: "sign_vote"'s wire format (vote.py,
         or "auto").
     overlap: round k's exchange runs during round k+1 (one collective advanced per inner step) and is
@@ -118,7 +121,8 @@ class LocalSteps(torch.optim.Optimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, *, replicate_mesh, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.6, nesterov: bool = True, exchange: str = "sign_vote",
-                 block: int = 4096, vote: str = "alltoall_1bit", overlap: bool = False, fragments: int = 1,
+                 block: int = 4096, vote: str = "alltoall_1bit", rank_fraction: float = 0.25,
+                 overlap: bool = False, fragments: int = 1,
                  state_dtype=torch.float32, state_device=None, seed: int = 0, model=None,
                  double_averaging_check: bool = True):
         if not isinstance(inner, torch.optim.Optimizer):
@@ -134,6 +138,8 @@ class LocalSteps(torch.optim.Optimizer):
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        if not 0 < rank_fraction <= 1:
+            raise ValueError(f"rank_fraction must be in (0, 1] (rank / min(m, n) of \"lowrank\"), got {rank_fraction!r}")
         if type(fragments) is not int or not 1 <= fragments <= sync_every:
             raise ValueError(f"fragments must be an int in [1, sync_every={sync_every}] (each fragment syncs once "
                              f"per round, at its own step), got {fragments!r}")
@@ -149,7 +155,9 @@ class LocalSteps(torch.optim.Optimizer):
                              f"without replicate_mesh (FSDP2: fully_shard(model, mesh=mesh['shard'])) and pass the "
                              f"mesh to LocalSteps(replicate_mesh=...)")
         self.inner = inner
-        self.format = outer_format(exchange, block=block, vote=vote)
+        self.format = outer_format(exchange, block=block, vote=vote)   # ("lowrank": its non-matrix part)
+        self.exchange_name, self.rank_fraction = exchange, rank_fraction
+        self._formats: list = []   # per fragment: self.format, or its LowRank
         self.sync_every, self.outer_lr, self.outer_momentum, self.nesterov = sync_every, outer_lr, outer_momentum, \
             nesterov
         self.overlap, self.fragments, self.seed = bool(overlap), fragments, int(seed)
@@ -210,7 +218,7 @@ class LocalSteps(torch.optim.Optimizer):
 
     def _init_state(self) -> None:
         for param in self._params():
-            if self.state[param]:
+            if self.state.get(param):
                 continue
             device = self.state_device or local(param).device
             state = self.state[param]
@@ -226,6 +234,39 @@ class LocalSteps(torch.optim.Optimizer):
                     state["outer_pending_error"] = _state_like(param, self.state_dtype, device, fill=0)
                 state["outer_pending"] = torch.zeros((), dtype=torch.int64)   # 0 none, 1 apply, 2 discard
             state["outer_rounds"] = torch.zeros((), dtype=torch.int64)
+            if self._low_rank(param):
+                state["outer_Q"] = init_state(param, self._dion_group(), self._param_seed(param))["Q"]
+        if not self._formats:
+            self._formats = [self._fragment_format(fragment) for fragment in range(self.fragments)]
+
+    def _dion_group(self) -> dict:
+        return {"rank_fraction": self.rank_fraction, "rank_multiple_of": 1, "state_dtype": "float32", "split": None,
+                "algorithm": "dion"}
+
+    def _param_seed(self, param) -> int:
+        index = next(i for i, p in enumerate(self._params()) if p is param)
+        return (self.seed * 1_000_003 + index) % 2**63
+
+    def _low_rank(self, param) -> bool:
+        return self.exchange_name == "lowrank" and param.ndim == 2 and compressed(matrix_layout(param),
+                                                                                  self._dion_group())
+
+    def _fragment_format(self, fragment: int):
+        """The fragment's format: self.format, or for "lowrank" a LowRank over its matrices' Q state."""
+        if self.exchange_name != "lowrank":
+            return self.format
+        matrices, offset = [], 0
+        for param in self._fragment_params(fragment):
+            if self._low_rank(param):
+                layout = matrix_layout(param)
+                Q = self.state.get(param, {}).get("outer_Q")   # (None: a format for bytes() only)
+                matrices.append(LowRankMatrix(offset, tuple(local(param).shape), layout,
+                                              rank_of(layout, self._dion_group()), None if Q is None else local(Q)))
+            offset += local(param).numel()
+        return LowRank(matrices, self.format, Axes(self.replicate, *self.other_axes))
+
+    def _fragment_params(self, fragment: int) -> list:
+        return [p for p, f in zip(self._params(), self._fragments()) if f == fragment]
 
     def _local(self, param: torch.Tensor, key: str) -> torch.Tensor:
         return local(self.state[param][key])
@@ -248,10 +289,9 @@ class LocalSteps(torch.optim.Optimizer):
         self.steps += 1
         for fragment in sorted(self._in_flight):
             self._advance(fragment)
-        fragments = self._fragments()
         for fragment in range(self.fragments):
             if self.steps % self.sync_every == sync_offset(fragment, self.fragments, self.sync_every):
-                self._sync(fragment, [p for p, f in zip(self._params(), fragments) if f == fragment])
+                self._sync(fragment, self._fragment_params(fragment))
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -286,8 +326,10 @@ class LocalSteps(torch.optim.Optimizer):
             return self._overlapped_sync(fragment, params)
         x = self._pseudo_gradient(params, "outer_params")
         self._check_double_averaging(x)
-        mean, own, nonfinite = complete(self.format.exchange(x, self.replicate, self._round_seed(fragment, params)))
+        fmt = self._formats[fragment]
+        mean, own, nonfinite = complete(fmt.exchange(x, self.replicate, self._round_seed(fragment, params)))
         if not self._agreed_discard(nonfinite, params):
+            fmt.commit()
             self._commit(params, mean, x - own if self.format.lossy else None)
         self._reset(params)
 
@@ -302,7 +344,7 @@ class LocalSteps(torch.optim.Optimizer):
                          if self.format.lossy else None)
         x = self._pseudo_gradient(params, "outer_start")
         self._check_double_averaging(x)
-        generator = self.format.exchange(x, self.replicate, self._round_seed(fragment, params))
+        generator = self._formats[fragment].exchange(x, self.replicate, self._round_seed(fragment, params))
         self._in_flight[fragment] = [generator, None, x, params]
         self._advance(fragment)
         for param in params:
@@ -323,6 +365,8 @@ class LocalSteps(torch.optim.Optimizer):
             del self._in_flight[fragment]
             mean, own, nonfinite = stop.value
             discard = self._agreed_discard(nonfinite, params)
+            if not discard:
+                self._formats[fragment].commit()
             self._scatter(mean, params, lambda p, piece: self._local(p, "outer_pending_mean").copy_(piece))
             if self.format.lossy:
                 self._scatter(x - own, params, lambda p, piece: self._local(p, "outer_pending_error").copy_(piece))
@@ -430,9 +474,9 @@ class LocalSteps(torch.optim.Optimizer):
         """Replicate-axis bytes of each fragment's sync at `replicas` (the format's bytes() of its local
         elements); 0 on the inner steps."""
         replicas = self.replicate.size if replicas is None else replicas
-        fragments = self._fragments()
-        return [self.format.bytes(sum(local(p).numel() for p, f in zip(self._params(), fragments) if f == fragment),
-                                  replicas) for fragment in range(self.fragments)]
+        formats = self._formats or [self._fragment_format(fragment) for fragment in range(self.fragments)]
+        return [formats[fragment].bytes(sum(local(p).numel() for p in self._fragment_params(fragment)), replicas)
+                for fragment in range(self.fragments)]
 
     def describe(self, replicas: int | None = None) -> str:
         replicas = self.replicate.size if replicas is None else replicas

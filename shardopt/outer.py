@@ -15,12 +15,15 @@ nothing extra. Bytes one replica sends, n entries (padding included), M replicas
 | "mean" | fp32 all-reduce of x and the flag | AR(4(n+1)) |
 | "mean_bf16" | bf16 all-reduce of x and the flag | AR(2(n+1)) |
 | "int8", "int4" | x in blocks of `block`, absmax scale per block, codes of `bits` bits; all-to-all of each owner's chunk (codes, the scales, the flag), owners decode, average and requantize, all-gather of the owners' chunks | 2(M−1)·(n_p·bits/(8M) + 4·n_p/(block·M) + 4), n_p = n padded to block·M |
+| "lowrank" | per matrix Dion's P (a×r) and R (b×r) means in bf16 (`LowRank`), the rest by "sign_vote" | Σ AR(2(a+b)·r) + the rest's |
 | "sign_vote" | 1-bit vote of sign(x) in vote.py's format (zeros abstain, as Lion's) times the block's mean abs x averaged over the replicas | vote bytes + AR(4(⌈n/block⌉ + 1)) |
 
 On one replica nothing is exchanged or rounded: mean = own = x.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -107,6 +110,9 @@ class OuterFormat:
 
     def exchange(self, x: torch.Tensor, replicate: Axis, seed: int):
         raise NotImplementedError
+
+    def commit(self) -> None:
+        """Keep the state the last exchange prepared (LowRank's Q); called only when its round is kept."""
 
 
 class Mean(OuterFormat):
@@ -207,19 +213,112 @@ class SignVote(OuterFormat):
 
     def bytes(self, numel: int, replicas: int) -> int:
         scales = -(-numel // self.block)
-        return (vote_format(self.vote, numel, replicas).bytes(numel, replicas)
-                + collective_bytes("all_reduce", 4 * (scales + FLAG_SLOT), replicas))
+        vote = vote_format(self.vote, numel, replicas).bytes(numel, replicas) if numel else 0
+        return vote + collective_bytes("all_reduce", 4 * (scales + FLAG_SLOT), replicas)
 
-    def exchange(self, x, replicate, seed):
-        n = x.numel()
-        own_scale = block_mean_abs(torch.nan_to_num(x), self.block)
-        own = torch.sign(x) * spread_blocks(own_scale, self.block, n)
+    def exchange(self, x, replicate, seed, flag: torch.Tensor | None = None):
+        """As OuterFormat.exchange; `flag` (1,): the non-finite flag to send (default x's own). With no
+        entries only the flag is sent."""
+        n, flag = x.numel(), nonfinite_flag(x) if flag is None else flag
         if replicate.size == 1:
-            return x, x, nonfinite_flag(x)[0] > 0
-        slots = yield replicate.all_reduce(torch.cat([own_scale, nonfinite_flag(x)]), "mean", async_op=True)
+            return x, x, flag[0] > 0
+        own_scale = block_mean_abs(torch.nan_to_num(x), self.block) if n else x
+        own = torch.sign(x) * spread_blocks(own_scale, self.block, n)
+        slots = yield replicate.all_reduce(torch.cat([own_scale, flag]), "mean", async_op=True)
+        if not n:
+            return x, own, slots[-1] > 0
         fmt = vote_format(self.vote, n, replicate.size)
         voted = yield from fmt.exchange(x > 0, replicate, seed, abstain=x == 0)
         return voted.float() * spread_blocks(slots[:-FLAG_SLOT], self.block, n), own, slots[-1] > 0
+
+
+@dataclass
+class LowRankMatrix:
+    """One matrix of a "lowrank" exchange: where its local block sits in x (`offset`, `shape`, the
+    param's local shape), its layout (placement.py), its rank r and its warm-start Q (b_j × r, the
+    local rows of b; updated at commit)."""
+
+    offset: int
+    shape: tuple[int, ...]
+    layout: object
+    rank: int
+    Q: torch.Tensor
+
+
+class LowRank(OuterFormat):
+    """Dion's power iteration on each matrix's x (its block B_ij in Dion's orientation, dion.py), the
+    rest of x by `rest` (a SignVote, which also carries the flag of the whole x):
+
+        P = orthonormalize(mean_replicas(Σ_b-axes B·Q))     exchange.FactorMean.basis (P in `wire`)
+        R_j = Σ_a-axis Bᵀ·P,  R̄ = mean_replicas(R_j)        (R_j rounded to `wire`: what is sent)
+        mean = P·R̄ᵀ,  own = P·R_jᵀ                          (so mean = mean_replicas(own): e telescopes)
+        Q ← R̄ / (‖R̄[:, j]‖ + ε)                             at `commit`, when the round is kept
+
+    `axes`: the shard and tensor axes (Axes-like, .shard and .tensor) that split the matrices."""
+
+    name = "lowrank"
+
+    def __init__(self, matrices: list[LowRankMatrix], rest: SignVote, axes, wire: torch.dtype = torch.bfloat16,
+                 epsilon: float = 1e-8):
+        self.matrices, self.rest, self.axes, self.wire, self.epsilon = matrices, rest, axes, wire, epsilon
+        self._next_q: list[torch.Tensor] = []
+
+    def _sides(self, matrix: LowRankMatrix):
+        from .dion import oriented_axes, oriented_block, oriented_shape
+        a_names, b_names = oriented_axes(matrix.layout)
+        return (oriented_shape(matrix.layout), oriented_block(matrix.layout), [getattr(self.axes, n) for n in a_names],
+                [getattr(self.axes, n) for n in b_names], a_names)
+
+    def bytes(self, numel: int, replicas: int) -> int:
+        """Per matrix: AR(P rows·r) + AR(b_j·r) in `wire` (P rows: a, a_i when an axis splits a, ⌈a/F⌉ when
+        F shard ranks split b); the rest by `rest.bytes`."""
+        itemsize, total, rest = torch.empty(0, dtype=self.wire).element_size(), 0, numel
+        for matrix in self.matrices:
+            (a, _), ((_, a_i), (_, b_j)), a_axes, b_axes, _ = self._sides(matrix)
+            rows = a_i if a_axes else -(-a // b_axes[-1].size) if b_axes else a
+            total += sum(collective_bytes("all_reduce", side * matrix.rank * itemsize, replicas) for side in (rows, b_j))
+            rest -= torch.Size(matrix.shape).numel()
+        return total + self.rest.bytes(rest, replicas)
+
+    def exchange(self, x, replicate, seed):
+        from .exchange import FactorMean, replicate_mean
+        from .lowrank import column_normalize, orthonormalize
+        self._next_q = []
+        if replicate.size == 1:
+            return x, x, nonfinite_flag(x)[0] > 0
+        mean, own = x.clone(), x.clone()
+        flag, covered = nonfinite_flag(x), torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
+        for matrix in self.matrices:
+            (_, _), _, a_axes, b_axes, a_names = self._sides(matrix)
+            numel = torch.Size(matrix.shape).numel()
+            X = torch.nan_to_num(x[matrix.offset:matrix.offset + numel]).view(matrix.shape)
+            B = (X.mT if matrix.layout.transpose else X).unsqueeze(0)                       # (1, a_i, b_j)
+            Q = matrix.Q.float().unsqueeze(0)
+            factors = FactorMean(low_rank=True, wire=self.wire, rank=matrix.rank)
+            a_parts = matrix.layout.axis_parts(a_names[0]) if a_names else ()
+            P = yield from factors.basis(B @ Q, a_axes, a_parts, b_axes, replicate, lambda P: orthonormalize(P))
+            R = B.mT @ P
+            for axis in a_axes:
+                R = yield axis.all_reduce(R, "sum", async_op=True)
+            R_sent = R.to(self.wire).float()
+            R_mean = yield from replicate_mean(R, replicate, self.wire)
+            col_sq_norms = (R_mean * R_mean).sum(dim=-2)
+            for axis in b_axes:
+                col_sq_norms = yield axis.all_reduce(col_sq_norms, "sum", async_op=True)
+            self._next_q.append(column_normalize(R_mean, col_sq_norms, Q, self.epsilon)[0])
+            for out, factor in ((mean, R_mean), (own, R_sent)):
+                decoded = P[0] @ factor[0].mT                                             # (a_i, b_j)
+                out[matrix.offset:matrix.offset + numel] = (decoded.mT if matrix.layout.transpose else decoded
+                                                            ).reshape(-1)
+            covered[matrix.offset:matrix.offset + numel] = True
+        rest_mean, rest_own, nonfinite = yield from self.rest.exchange(x[~covered], replicate, seed, flag)
+        mean[~covered], own[~covered] = rest_mean, rest_own
+        return mean, own, nonfinite
+
+    def commit(self) -> None:
+        """Q ← the column-normalized R̄ of the exchange just finished (call only for a kept round)."""
+        for matrix, Q in zip(self.matrices, self._next_q):
+            matrix.Q.copy_(Q)
 
 
 FORMATS = {"mean": lambda **_: Mean("mean", torch.float32),
@@ -227,11 +326,12 @@ FORMATS = {"mean": lambda **_: Mean("mean", torch.float32),
            "int8": lambda block=DEFAULT_BLOCK, **_: Quantized("int8", 8, block),
            "int4": lambda block=DEFAULT_BLOCK, **_: Quantized("int4", 4, block),
            "sign_vote": lambda block=DEFAULT_BLOCK, vote="alltoall_1bit", **_: SignVote(vote, block)}
-EXCHANGES = tuple(FORMATS)
+EXCHANGES = (*FORMATS, "lowrank")   # lowrank: built per fragment by LocalSteps (it needs the matrices)
 
 
 def outer_format(exchange: str, **options) -> OuterFormat:
-    """The format named `exchange` (EXCHANGES), with its options (block, vote)."""
-    if exchange not in FORMATS:
+    """The format named `exchange` (EXCHANGES), with its options (block, vote); for "lowrank" the
+    sign_vote of its non-matrix entries (LocalSteps builds the LowRank around it)."""
+    if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-    return FORMATS[exchange](**options)
+    return FORMATS["sign_vote" if exchange == "lowrank" else exchange](**options)

@@ -196,7 +196,10 @@ def _refused(kind):
 def test_every_format_counts_its_formula_sends_nothing_between_syncs_and_keeps_replicas_equal(pool2):
     results = pool2.run(_every_format)
     for exchange in EXCHANGES:
-        expected = reference.outer_bytes(exchange, NUMEL, 2, BLOCK)
+        if exchange == "lowrank":   # the two matrices by their factors, the vector by sign_vote
+            expected = reference.outer_bytes(exchange, 5, 2, BLOCK, matrices=[(8, 6), (4, 4)])
+        else:
+            expected = reference.outer_bytes(exchange, NUMEL, 2, BLOCK)
         for rank in range(2):
             result = results[rank][exchange]
             assert result["format_bytes"] == [expected], exchange
@@ -253,6 +256,7 @@ def test_nonfinite_round_is_discarded_on_every_replica(pool2):
 @pytest.mark.parametrize("kind, stop, options", [
     ("adamw", 3, dict(exchange="int4")),                                   # mid-round
     ("signmuon", 4, dict(exchange="sign_vote")),                           # at a sync
+    ("adamw", 5, dict(exchange="lowrank")),                                # the warm-started Q too
     ("adamw", 3, dict(exchange="sign_vote", overlap=True, fragments=2)),   # exchanges in flight
 ])
 def test_kill_and_resume_is_bit_exact(pool2, kind, stop, options):
