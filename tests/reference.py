@@ -122,3 +122,34 @@ def dion_bytes(layout, rank_fraction, wire_itemsize, sizes):
     for axis in b_axes:
         add(axis, "all_reduce", r * 8)                                                   # column norms
     return sent
+
+
+def outer_bytes(exchange: str, n: int, replicas: int, block: int, matrices=(), rank_fraction: float = 0.25) -> int:
+    """The tests' byte oracle for one local-steps sync (docs/design.md §10 and shardopt/outer.py's table,
+    not the code): bytes one replica sends for n entries among M replicas, with `block` entries per
+    scale and one fp32 non-finite flag; alltoall_1bit for sign_vote. "lowrank": `matrices`, whole
+    (m, n) matrices whose P (a×r) and R (b×r) means cross in bf16, r = ⌈rank_fraction·min(m, n)⌉, and
+    the n other entries by sign_vote."""
+    M = replicas
+    if M == 1:
+        return 0
+    if exchange == "lowrank":
+        factors = 0
+        for rows, cols in matrices:
+            r = math.ceil(rank_fraction * min(rows, cols))
+            factors += sum(2 * side * r * 2 * (M - 1) // M for side in (rows, cols))
+        return factors + outer_bytes("sign_vote", n, M, block)
+    if exchange in ("mean", "mean_bf16"):
+        itemsize = 4 if exchange == "mean" else 2
+        return 2 * (n + 1) * itemsize * (M - 1) // M
+    if exchange in ("int8", "int4"):
+        bits = 8 if exchange == "int8" else 4
+        n_p = math.ceil(n / (block * M)) * block * M
+        chunk = n_p * bits // (8 * M) + 4 * n_p // (block * M) + 4       # codes, scales, flag per owner
+        return 2 * (M - 1) * chunk                                          # all-to-all + all-gather
+    if exchange == "sign_vote":
+        n_p = math.ceil(n / (8 * M)) * 8 * M
+        vote = 2 * (n_p // 8) * (M - 1) // M if n else 0                    # N(M−1)/(4M), padded
+        scales = math.ceil(n / block) + 1
+        return vote + 2 * 4 * scales * (M - 1) // M
+    raise ValueError(exchange)
