@@ -108,25 +108,10 @@ parser.add_argument("--timeout", type=float, help="seconds a collective may wait
                     "before this rank fails with a timeout error (a dead rank then stops the job, not hangs it)")
 parser.add_argument("--check-replicas-every", type=int, help="every N steps check that the "
                     "replicas' weights are bitwise equal and stop with an error if not (0: never)")
-parser.add_argument("--local-steps", type=int, metavar="H", help="local steps (docs/design.md §10): the "
-                    "optimizer steps on the shard axis only and the replicas sync every H steps through "
-                    "shardopt.LocalSteps (0: off, every step exchanges)")
-parser.add_argument("--outer-exchange", choices=shardopt.outer.EXCHANGES, help="local steps: the format of the "
-                    "pseudo-gradient on the replicate axis")
-parser.add_argument("--outer-lr", type=float, help="local steps: lr of the outer SGD (Nesterov)")
-parser.add_argument("--outer-momentum", type=float, help="local steps: momentum of the outer SGD")
-parser.add_argument("--outer-overlap", action="store_true", help="local steps: each sync's exchange runs during "
-                    "the next round and is applied one round late")
-parser.add_argument("--fragments", type=int, metavar="F", help="local steps: sync the model in F parts at "
-                    "staggered steps")
-parser.add_argument("--outer-rank-fraction", type=float, help="local steps, --outer-exchange lowrank: rank / "
-                    "min(m, n) of each matrix's pseudo-gradient")
 args = training.parse_args(parser, training.GPT_DEFAULTS, Path(__file__).with_name("defaults.json"))
 args.lr = args.lr_by_optimizer[args.optimizer] if args.lr is None else args.lr
 args.nonmatrix_lr = args.nonmatrix_lr or args.nonmatrix_lr_by_algorithm[args.nonmatrix_algorithm]
 args.out_dir = args.out_dir or Path("runs") / args.optimizer
-if args.local_steps < 0:
-    parser.error(f"--local-steps {args.local_steps} must be ≥ 0 (0: off)")
 if args.grad_accum < 1 or args.clip < 0:
     parser.error(f"--grad-accum {args.grad_accum} must be ≥ 1 and --clip {args.clip} ≥ 0")
 if args.tensorboard:
@@ -178,9 +163,7 @@ groups = shardopt.param_groups(model, matrix_algorithm, args.nonmatrix_algorithm
     lr=args.nonmatrix_lr, weight_decay=0.0, betas=tuple(args.nonmatrix_betas)))
 if args.optimizer in ("signmuon", "muon"):
     groups[0]["ns_coefficients"] = args.ns_coefficients
-# with --local-steps the optimizer has no replicate axis: LocalSteps owns it (below)
-meshes = dict(replicate_mesh=None if args.local_steps else mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed,
-              max_grad_norm=args.clip,
+meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed, max_grad_norm=args.clip,
               **(dict(tensor_mesh=mesh["tensor"]) if args.tp > 1 else {}))
 if args.optimizer == "dion":
     opt = shardopt.Dion(groups, lr=args.lr, mu=args.mu, rank_fraction=args.rank_fraction,
@@ -192,11 +175,6 @@ else:   # the baselines: Muon, or AdamW on the matrices too; both average full-p
     groups[0]["algorithm"] = args.optimizer
     opt = shardopt.ShardOptimizer(groups, dict(lr=args.lr, momentum=args.momentum, ns_steps=args.ns_steps,
                                                weight_decay=args.weight_decay), **meshes)
-if args.local_steps:
-    opt = shardopt.LocalSteps(opt, replicate_mesh=mesh["replicate"], sync_every=args.local_steps,
-                              outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                              exchange=args.outer_exchange, overlap=args.outer_overlap, fragments=args.fragments,
-                              rank_fraction=args.outer_rank_fraction, seed=args.seed)
 log(opt.describe())
 # the scheduler's epoch counts the steps taken; step s (from 1) runs at base lr × lr_multiplier(s)
 scheduler = torch.optim.lr_scheduler.LambdaLR(
