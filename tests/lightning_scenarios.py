@@ -178,3 +178,5 @@ if __name__ == "__main__":
     result = {"ddp": train_and_resume(), "fsdp2": train_and_resume("fsdp"), "hsdp": train_and_resume("hsdp"),
               "refused": refused()}
     (OUT / f"result-{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()   # gloo can abort a process that exits with its group alive

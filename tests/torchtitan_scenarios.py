@@ -231,4 +231,5 @@ if __name__ == "__main__":
     dims.build_mesh()
     result = {"hsdp": hsdp(dims), "patterns": patterns(dims), "refused": refused(dims)}
     (OUT / f"result-{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
-    dist.destroy_process_group()
+    dist.barrier()
+    dist.destroy_process_group()   # gloo can abort a process that exits with its group alive
