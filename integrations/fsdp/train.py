@@ -199,7 +199,13 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(
 
 # ---- checkpoints (checkpoint.py): DCP of model + optimizer + lr scheduler ----------------------
 checkpoints = args.out_dir / "checkpoints"
-start_step, found = 0, checkpoint.latest(checkpoints)
+replica = None   # with local steps each replica checkpoints its own state: (its index, the group of its ranks)
+if args.local_steps:
+    ranks_per_replica = args.shard * args.tp
+    replica_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(r * ranks_per_replica, (r + 1) * ranks_per_replica)) for r in range(args.replicate)])
+    replica = (mesh.get_local_rank("replicate"), replica_group)
+start_step, found = 0, checkpoint.latest(checkpoints, replica)
 if found and not args.resume:
     log(f"note: {checkpoints} holds checkpoints of an earlier run (up to step {found[0]}); this run starts "
         f"from step 0 and overwrites them as it reaches their steps (--resume continues instead)")
@@ -207,7 +213,7 @@ if args.resume and found is None:
     log(f"resume: no checkpoint in {checkpoints}; starting from step 0")
 elif args.resume:
     start_step, path = found
-    checkpoint.load(path, model, opt, scheduler)
+    checkpoint.load(path, model, opt, scheduler, replica)
     log(f"resume: loaded {path} (step {start_step}, lr scheduler at step {scheduler.last_epoch})")
 
 # ---- metrics: CSV rows (rank 0), kept up to the resumed step; TensorBoard --------------------
@@ -236,6 +242,7 @@ window = dict(loss=torch.zeros((), device=device), steps=0, seconds=0.0, opt_sec
 totals = dict(steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
 progress = tqdm(range(start_step + 1, end_step + 1), initial=start_step, total=end_step, desc=args.optimizer,
                 unit="step", disable=not master, mininterval=1.0, dynamic_ncols=True)
+replicas_checked_at = start_step
 for step in progress:
     tick = time.perf_counter()
     lr = scheduler.get_last_lr()[0]   # this step's lr of the 2-D weights
@@ -283,11 +290,17 @@ for step in progress:
               f"replicate {int(row['replicate_bytes_per_step']):,} B/step, shard {int(row['shard_bytes_per_step']):,} B/step")
         window.update(loss=torch.zeros((), device=device), steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
 
-    if args.check_replicas_every and step % args.check_replicas_every == 0 and not opt.replicas_consistent():
-        raise SystemExit(f"rank {rank}: replicas diverged at step {step} (weights differ bitwise between "
-                         f"replicas); stopping. Resume from the last checkpoint with --resume")
+    # every --check-replicas-every steps; with local steps at the first sync of each period (the replicas are
+    # equal right after a sync; with --outer-overlap the outer params are what is compared)
+    synced = not args.local_steps or step % args.local_steps == 0
+    every = args.check_replicas_every
+    if every and synced and step // every > replicas_checked_at // every:
+        replicas_checked_at = step
+        if not opt.replicas_consistent():
+            raise SystemExit(f"rank {rank}: replicas diverged at step {step} (weights differ bitwise between "
+                             f"replicas); stopping. Resume from the last checkpoint with --resume")
     if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == end_step):
-        checkpoint.save(checkpoints, step, model, opt, scheduler)
+        checkpoint.save(checkpoints, step, model, opt, scheduler, replica)
 progress.close()
 metrics.close()
 
@@ -303,6 +316,9 @@ if master and totals["steps"]:
         "rank_fraction": args.rank_fraction if args.optimizer == "dion" else "",
         "vote": resolve_vote(args.vote, max(p.to_local().numel() for p in groups[0]["params"]), args.replicate)
         if args.optimizer == "signmuon" else "",   # the wire format "auto" picks for the largest matrix
+        **({"local_steps": args.local_steps, "outer_exchange": args.outer_exchange, "outer_lr": args.outer_lr,
+            "outer_momentum": args.outer_momentum, "outer_overlap": args.outer_overlap, "fragments": args.fragments}
+           if args.local_steps else {}),
         "params": model.num_params(), "steps": end_step, "tokens": end_step * tokens_per_step,
         "final_train_loss": float(rows[-1]["train_loss"]), "final_val_loss": final_val,
         "replicate_bytes_per_step": totals["replicate"] // totals["steps"],
