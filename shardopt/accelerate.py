@@ -1,4 +1,4 @@
-"""HF Accelerate (docs/design.md §10): `attach(accelerator, model, optimizer)` after `accelerator.prepare`.
+"""HF Accelerate (docs/design.md §11): `attach(accelerator, model, optimizer)` after `accelerator.prepare`.
 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     shardopt.accelerate.attach(accelerator, model, optimizer)

@@ -1,5 +1,5 @@
 """Switch off DDP's gradient all-reduce, for frameworks that wrap the model in DDP themselves
-(HF Trainer, Accelerate, Lightning): shardopt exchanges the gradients itself (docs/design.md §10).
+(HF Trainer, Accelerate, Lightning): shardopt exchanges the gradients itself (docs/design.md §11).
 
 DDP's reducer hands each bucket of local gradients to a communication hook and copies what the
 hook's future returns back into the gradients. `keep_local_gradients` installs a hook that returns

@@ -1,4 +1,4 @@
-"""What the adapters of frameworks that own the training loop share (docs/design.md §10): finding shardopt's
+"""What the adapters of frameworks that own the training loop share (docs/design.md §11): finding shardopt's
 optimizer inside the framework's wrapper, checking that it exchanges over the framework's data-parallel
 processes, and readying it for the framework's checkpoint."""
 

@@ -1,4 +1,4 @@
-"""HF Transformers' Trainer (docs/design.md §10): `ShardoptCallback` and `optimizer_cls_and_kwargs`.
+"""HF Transformers' Trainer (docs/design.md §11): `ShardoptCallback` and `optimizer_cls_and_kwargs`.
 
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ShardoptCallback()],
                       optimizer_cls_and_kwargs=optimizer_cls_and_kwargs("signmuon", "lion", lr=3e-3))

@@ -1,4 +1,4 @@
-"""`ShardoptCallback`: shardopt's optimizers under a Lightning `Trainer` (docs/design.md §10, docs/trainers.md).
+"""`ShardoptCallback`: shardopt's optimizers under a Lightning `Trainer` (docs/design.md §11, docs/trainers.md).
 
     trainer = lightning.Trainer(strategy="ddp", devices=2, callbacks=[shardopt.lightning.ShardoptCallback()])
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 try:
     from lightning.pytorch.callbacks import Callback
-except ImportError as error:   # the framework is optional (docs/design.md §10)
+except ImportError as error:   # the framework is optional (docs/design.md §11)
     raise ImportError("shardopt.lightning needs Lightning 2.x: pip install 'shardopt[lightning]' "
                       "(the `lightning` package; `pytorch_lightning` alone is not supported)") from error
 

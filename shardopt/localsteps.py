@@ -301,6 +301,11 @@ class LocalSteps(torch.optim.Optimizer):
         self.inner.add_param_group(param_group)
 
     @property
+    def last_grad_norm(self):
+        """The inner optimizer's agreed gradient norm of its last clipped step (None if it keeps none)."""
+        return getattr(self.inner, "last_grad_norm", None)
+
+    @property
     def param_groups(self):
         return self.inner.param_groups
 
@@ -427,16 +432,19 @@ class LocalSteps(torch.optim.Optimizer):
             outer = dict(self.state[param])
             if outer:
                 outer["outer_steps"] = torch.tensor(self.steps, dtype=torch.int64)
-            inner["state"].setdefault(index, {}).update(outer)
+            inner["state"][index] = {**inner["state"].get(index, {}), **outer}   # (torch's entries are live state)
         return inner
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what state_dict() returned: the inner keys into the inner optimizer, the outer_* keys
         here (copied into freshly made tensors of this optimizer's dtypes and devices)."""
+        # the state's keys are what the groups' "params" list (indices; DCP's set_state_dict gives FQNs), in
+        # param order, as torch.optim.Optimizer.load_state_dict maps them
+        position = {key: i for i, key in enumerate(key for group in state_dict["param_groups"] for key in group["params"])}
         inner_state, outer_states = {}, {}
-        for index, entry in state_dict["state"].items():
-            inner_state[index] = {k: v for k, v in entry.items() if not k.startswith("outer_")}
-            outer_states[index] = {k: v for k, v in entry.items() if k.startswith("outer_")}
+        for key, entry in state_dict["state"].items():
+            inner_state[key] = {k: v for k, v in entry.items() if not k.startswith("outer_")}
+            outer_states[position[key]] = {k: v for k, v in entry.items() if k.startswith("outer_")}
         if any(outer_states.values()):
             self._init_state()
         for index, param in enumerate(self._params()):

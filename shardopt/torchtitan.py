@@ -1,6 +1,6 @@
 """shardopt's optimizers in torchtitan (0.3): `ShardoptOptimizersContainer` and its `Config`,
 `shard_only(parallelize_fn)`, and `use_shardopt(trainer_config, …)` that puts both in a `Trainer.Config`
-(docs/design.md §10, docs/trainers.md).
+(docs/design.md §11, docs/trainers.md).
 
 torchtitan builds its optimizer from `config.optimizer.build(model_parts=…)` after the parallelize
 step. Its own `OptimizersContainer` knows Adam, AdamW and DistMuon; a shardopt optimizer needs `lr`
@@ -37,7 +37,7 @@ try:
     from torchtitan.components.checkpointer.utils import canonical_fqn
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.tools.logging import logger
-except ImportError as error:   # the framework is optional (docs/design.md §10)
+except ImportError as error:   # the framework is optional (docs/design.md §11)
     raise ImportError("shardopt.torchtitan needs torchtitan 0.3: pip install 'shardopt[torchtitan]'") from error
 
 import torch.distributed as dist

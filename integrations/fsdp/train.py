@@ -58,7 +58,6 @@ import data  # noqa: E402
 import shardopt  # noqa: E402
 import training  # noqa: E402
 import world  # noqa: E402  (integrations/fsdp/world.py)
-from shardopt.polar import SCHEDULES  # noqa: E402
 from shardopt.vote import resolve_vote  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -81,8 +80,6 @@ parser.add_argument("--wire-dtype", choices=("bfloat16", "float32"),
                     help="dion: precision of the low-rank factors on the replicate axis")
 parser.add_argument("--momentum", type=float, help="signmuon, muon: EMA momentum")
 parser.add_argument("--ns-steps", type=int, help="signmuon, muon: Newton–Schulz steps")
-parser.add_argument("--ns-coefficients", choices=tuple(SCHEDULES), help="signmuon, muon: Newton–Schulz coefficient "
-                    "schedule (Muon's quintic, or Polar Express's per-step quintics: shardopt/polar.py)")
 parser.add_argument("--vote", choices=shardopt.VOTE_FORMATS + ("auto",), help="signmuon: wire format of the majority vote")
 training.add_renamed(parser, "--nonmatrix-algorithm", "--scalar-algorithm", choices=("adamw", "lion"), help="embeddings, "
                      "norms and head: AdamW (full-precision gradient mean) or Lion (1-bit majority vote over the replicas)")
@@ -108,10 +105,25 @@ parser.add_argument("--timeout", type=float, help="seconds a collective may wait
                     "before this rank fails with a timeout error (a dead rank then stops the job, not hangs it)")
 parser.add_argument("--check-replicas-every", type=int, help="every N steps check that the "
                     "replicas' weights are bitwise equal and stop with an error if not (0: never)")
+parser.add_argument("--local-steps", type=int, metavar="H", help="local steps (docs/design.md §10): the "
+                    "optimizer steps on the shard axis only and the replicas sync every H steps through "
+                    "shardopt.LocalSteps (0: off, every step exchanges)")
+parser.add_argument("--outer-exchange", choices=shardopt.outer.EXCHANGES, help="local steps: the format of the "
+                    "pseudo-gradient on the replicate axis")
+parser.add_argument("--outer-lr", type=float, help="local steps: lr of the outer SGD (Nesterov)")
+parser.add_argument("--outer-momentum", type=float, help="local steps: momentum of the outer SGD")
+parser.add_argument("--outer-overlap", action="store_true", help="local steps: each sync's exchange runs during "
+                    "the next round and is applied one round late")
+parser.add_argument("--fragments", type=int, metavar="F", help="local steps: sync the model in F parts at "
+                    "staggered steps")
+parser.add_argument("--outer-rank-fraction", type=float, help="local steps, --outer-exchange lowrank: rank / "
+                    "min(m, n) of each matrix's pseudo-gradient")
 args = training.parse_args(parser, training.GPT_DEFAULTS, Path(__file__).with_name("defaults.json"))
 args.lr = args.lr_by_optimizer[args.optimizer] if args.lr is None else args.lr
 args.nonmatrix_lr = args.nonmatrix_lr or args.nonmatrix_lr_by_algorithm[args.nonmatrix_algorithm]
 args.out_dir = args.out_dir or Path("runs") / args.optimizer
+if args.local_steps < 0:
+    parser.error(f"--local-steps {args.local_steps} must be ≥ 0 (0: off)")
 if args.grad_accum < 1 or args.clip < 0:
     parser.error(f"--grad-accum {args.grad_accum} must be ≥ 1 and --clip {args.clip} ≥ 0")
 if args.tensorboard:
@@ -161,9 +173,9 @@ log(f"model: {model.num_params():,} params, {args.n_layer} layers, width {args.n
 matrix_algorithm = "dion" if args.optimizer == "adamw" else args.optimizer
 groups = shardopt.param_groups(model, matrix_algorithm, args.nonmatrix_algorithm, nonmatrix_options=dict(
     lr=args.nonmatrix_lr, weight_decay=0.0, betas=tuple(args.nonmatrix_betas)))
-if args.optimizer in ("signmuon", "muon"):
-    groups[0]["ns_coefficients"] = args.ns_coefficients
-meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed, max_grad_norm=args.clip,
+# with --local-steps the optimizer has no replicate axis: LocalSteps owns it (below)
+meshes = dict(replicate_mesh=None if args.local_steps else mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed,
+              max_grad_norm=args.clip,
               **(dict(tensor_mesh=mesh["tensor"]) if args.tp > 1 else {}))
 if args.optimizer == "dion":
     opt = shardopt.Dion(groups, lr=args.lr, mu=args.mu, rank_fraction=args.rank_fraction,
@@ -175,6 +187,11 @@ else:   # the baselines: Muon, or AdamW on the matrices too; both average full-p
     groups[0]["algorithm"] = args.optimizer
     opt = shardopt.ShardOptimizer(groups, dict(lr=args.lr, momentum=args.momentum, ns_steps=args.ns_steps,
                                                weight_decay=args.weight_decay), **meshes)
+if args.local_steps:
+    opt = shardopt.LocalSteps(opt, replicate_mesh=mesh["replicate"], sync_every=args.local_steps,
+                              outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                              exchange=args.outer_exchange, overlap=args.outer_overlap, fragments=args.fragments,
+                              rank_fraction=args.outer_rank_fraction, seed=args.seed)
 log(opt.describe())
 # the scheduler's epoch counts the steps taken; step s (from 1) runs at base lr × lr_multiplier(s)
 scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -182,7 +199,13 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(
 
 # ---- checkpoints (checkpoint.py): DCP of model + optimizer + lr scheduler ----------------------
 checkpoints = args.out_dir / "checkpoints"
-start_step, found = 0, checkpoint.latest(checkpoints)
+replica = None   # with local steps each replica checkpoints its own state: (its index, the group of its ranks)
+if args.local_steps:
+    ranks_per_replica = args.shard * args.tp
+    replica_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(r * ranks_per_replica, (r + 1) * ranks_per_replica)) for r in range(args.replicate)])
+    replica = (mesh.get_local_rank("replicate"), replica_group)
+start_step, found = 0, checkpoint.latest(checkpoints, replica)
 if found and not args.resume:
     log(f"note: {checkpoints} holds checkpoints of an earlier run (up to step {found[0]}); this run starts "
         f"from step 0 and overwrites them as it reaches their steps (--resume continues instead)")
@@ -190,7 +213,7 @@ if args.resume and found is None:
     log(f"resume: no checkpoint in {checkpoints}; starting from step 0")
 elif args.resume:
     start_step, path = found
-    checkpoint.load(path, model, opt, scheduler)
+    checkpoint.load(path, model, opt, scheduler, replica)
     log(f"resume: loaded {path} (step {start_step}, lr scheduler at step {scheduler.last_epoch})")
 
 # ---- metrics: CSV rows (rank 0), kept up to the resumed step; TensorBoard --------------------
@@ -219,6 +242,7 @@ window = dict(loss=torch.zeros((), device=device), steps=0, seconds=0.0, opt_sec
 totals = dict(steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
 progress = tqdm(range(start_step + 1, end_step + 1), initial=start_step, total=end_step, desc=args.optimizer,
                 unit="step", disable=not master, mininterval=1.0, dynamic_ncols=True)
+replicas_checked_at = start_step
 for step in progress:
     tick = time.perf_counter()
     lr = scheduler.get_last_lr()[0]   # this step's lr of the 2-D weights
@@ -266,11 +290,17 @@ for step in progress:
               f"replicate {int(row['replicate_bytes_per_step']):,} B/step, shard {int(row['shard_bytes_per_step']):,} B/step")
         window.update(loss=torch.zeros((), device=device), steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
 
-    if args.check_replicas_every and step % args.check_replicas_every == 0 and not opt.replicas_consistent():
-        raise SystemExit(f"rank {rank}: replicas diverged at step {step} (weights differ bitwise between "
-                         f"replicas); stopping. Resume from the last checkpoint with --resume")
+    # every --check-replicas-every steps; with local steps at the first sync of each period (the replicas are
+    # equal right after a sync; with --outer-overlap the outer params are what is compared)
+    synced = not args.local_steps or step % args.local_steps == 0
+    every = args.check_replicas_every
+    if every and synced and step // every > replicas_checked_at // every:
+        replicas_checked_at = step
+        if not opt.replicas_consistent():
+            raise SystemExit(f"rank {rank}: replicas diverged at step {step} (weights differ bitwise between "
+                             f"replicas); stopping. Resume from the last checkpoint with --resume")
     if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == end_step):
-        checkpoint.save(checkpoints, step, model, opt, scheduler)
+        checkpoint.save(checkpoints, step, model, opt, scheduler, replica)
 progress.close()
 metrics.close()
 
@@ -286,6 +316,9 @@ if master and totals["steps"]:
         "rank_fraction": args.rank_fraction if args.optimizer == "dion" else "",
         "vote": resolve_vote(args.vote, max(p.to_local().numel() for p in groups[0]["params"]), args.replicate)
         if args.optimizer == "signmuon" else "",   # the wire format "auto" picks for the largest matrix
+        **({"local_steps": args.local_steps, "outer_exchange": args.outer_exchange, "outer_lr": args.outer_lr,
+            "outer_momentum": args.outer_momentum, "outer_overlap": args.outer_overlap, "fragments": args.fragments}
+           if args.local_steps else {}),
         "params": model.num_params(), "steps": end_step, "tokens": end_step * tokens_per_step,
         "final_train_loss": float(rows[-1]["train_loss"]), "final_val_loss": final_val,
         "replicate_bytes_per_step": totals["replicate"] // totals["steps"],
