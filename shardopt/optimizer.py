@@ -32,14 +32,15 @@ double_averaging_check_every: at step 1 and every this many steps after, raise
     one device sync, at those steps only (`traffic.double_averaging_check_bytes`).
 overlap_backward: start each bucket's momentum → direction → exchange during backward, as soon as its
     gradients are final, and commit in step() (docs/design.md §12; results bitwise those of False).
-    None (default): True when some axis has more than one rank (there is an exchange to hide) and
-    max_grad_norm is 0; False otherwise. Not with max_grad_norm > 0 (clipping scales every gradient by
-    a factor that needs the global norm, known only after backward: ValueError). Costs a copy of the
-    stepping params and their state until step() (the scratch), and process groups of the optimizer's
-    own for its collectives (`comm.Axis.private`). Gradient accumulation: run the backward of every
-    micro-batch but the last under `optimizer.accumulating()` (or, under DDP, under `model.no_sync()`
-    after `optimizer.accumulate_under_no_sync(model)`). The DeepSpeed plugin turns it off (the engine
-    owns the gradients until engine.step()). Settable between steps, alike on every rank.
+    Default False (opt in): it costs a copy of the stepping params and their state until step() (the
+    scratch) and process groups of the optimizer's own for its collectives (`comm.Axis.private`, made
+    with torch's group-local synchronization: every rank of an axis must have made the same number
+    of process groups before), and a step it skips or reruns has already spent its exchange. Not with
+    max_grad_norm > 0 (clipping scales every gradient by a factor that needs the global norm, known
+    only after backward: ValueError). Gradient accumulation: run the backward of every micro-batch but
+    the last under `optimizer.accumulating()` (or, under DDP, under `model.no_sync()` after
+    `optimizer.accumulate_under_no_sync(model)`). The DeepSpeed plugin refuses it (the engine owns the
+    gradients until engine.step()). Settable between steps, alike on every rank.
 
 Which params a step updates is agreed by all ranks: those with a gradient on at least one rank.
 A rank without a local gradient for such a param steps it with a zero gradient (it joins the same
@@ -86,7 +87,7 @@ class ShardOptimizer(torch.optim.Optimizer):
                  agreement_timeout_s: float = 60.0, nonfinite: str = "skip", max_grad_norm: float = 0.0,
                  maximize: bool = False, foreach=None, fused=None, capturable=None, differentiable=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY, overlap_backward: bool | None = None):
+                 double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY, overlap_backward: bool = False):
         check_options(seed=seed, agreement_timeout_s=agreement_timeout_s, nonfinite=nonfinite,
                       max_grad_norm=max_grad_norm, maximize=maximize, bucket_bytes=bucket_bytes,
                       double_averaging_check_every=double_averaging_check_every, foreach=foreach, fused=fused,
@@ -107,12 +108,11 @@ class ShardOptimizer(torch.optim.Optimizer):
         check_ranks_agree(self._param_label.items(), self.param_groups,
                           {"seed": self.seed, "bucket_bytes": bucket_bytes,
                            "double_averaging_check_every": double_averaging_check_every,
-                           "overlap_backward": -1 if overlap_backward is None else int(overlap_backward)},
+                           "overlap_backward": int(bool(overlap_backward))},
                           self.axes, agreement_timeout_s)
         self.exchange_axes = self.axes   # where the bucket steps' collectives go (private groups when overlapping)
         self._reset_overlap_runtime()
-        self.overlap_backward = (any(axis.size > 1 for axis in self.axes) and self.max_norm == 0
-                                 if overlap_backward is None else overlap_backward)
+        self.overlap_backward = overlap_backward
         self.reset_comm_stats()
 
     skipped_steps = property(lambda self: self.agreement.skipped_steps)
@@ -227,7 +227,7 @@ class ShardOptimizer(torch.optim.Optimizer):
     @overlap_backward.setter
     def overlap_backward(self, value: bool) -> None:
         if not isinstance(value, bool):
-            raise ValueError(f"Invalid overlap_backward: {value!r}; it must be True, False or None (the default)")
+            raise ValueError(f"Invalid overlap_backward: {value!r}; it must be True or False (the default)")
         if value and self.max_norm > 0:
             raise ValueError(f"overlap_backward=True needs max_grad_norm=0 (got {self.max_norm:g}): clipping scales "
                              f"every gradient by min(1, max_grad_norm/ν), and ν, the global norm, is known only after "

@@ -70,9 +70,10 @@ def plan_key(record, group: dict, params: list, replicas: int) -> tuple:
 
 
 def units(plan: GroupPlan) -> tuple:
-    """What a planned group steps one at a time: its buckets, or (None,) for an element-wise group
-    (one step over all its params)."""
-    return plan.buckets or (None,)
+    """What a planned group steps one at a time: a matrix group's buckets (none where this rank holds
+    no matrix of the group), or (None,) for an element-wise group (one step over all its params; its
+    plan has an exchange per dtype)."""
+    return (None,) if plan.exchanges else plan.buckets
 
 
 def unit_params(plan: GroupPlan, unit) -> tuple:

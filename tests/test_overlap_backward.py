@@ -256,7 +256,7 @@ def test_overlap_refuses_clipping():
     opt = shardopt.Dion(weights, overlap_backward=True)
     with pytest.raises(RuntimeError, match="clip_grad_norm_ with overlap_backward=True"):
         opt.clip_grad_norm_(1.0)
-    assert not shardopt.Dion(weights).overlap_backward            # one process: nothing to hide
+    assert not shardopt.Dion(weights).overlap_backward            # off unless asked for
     assert not shardopt.Dion(weights, max_grad_norm=1.0).overlap_backward
 
 

@@ -95,8 +95,8 @@ parser.add_argument("--bf16", action="store_true", help="mixed precision: bf16 f
                     "MixedPrecisionPolicy), fp32 weights, gradient reduction and optimizer state")
 parser.add_argument("--clip", type=float, metavar="MAX", help="clip gradients to norm MAX, agreed "
                     "over all ranks (the optimizer's max_grad_norm; 0: off)")
-parser.add_argument("--overlap-backward", choices=("auto", "on", "off"), help="start each bucket's exchange during "
-                    "backward (the optimizer's overlap_backward; auto: on unless --clip; docs/design.md §12)")
+parser.add_argument("--overlap-backward", choices=("on", "off"), help="start each bucket's exchange during "
+                    "backward (the optimizer's overlap_backward; docs/design.md §12)")
 parser.add_argument("--stop-at", type=int, help="stop after this step (e.g. to resume later)")
 parser.add_argument("--checkpoint-every", type=int, help="0: no checkpoints")
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
@@ -162,7 +162,7 @@ matrix_algorithm = "dion" if args.optimizer == "adamw" else args.optimizer
 groups = shardopt.param_groups(model, matrix_algorithm, args.nonmatrix_algorithm, nonmatrix_options=dict(
     lr=args.nonmatrix_lr, weight_decay=0.0, betas=tuple(args.nonmatrix_betas)))
 meshes = dict(replicate_mesh=mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed, max_grad_norm=args.clip,
-              overlap_backward={"auto": None, "on": True, "off": False}[args.overlap_backward],
+              overlap_backward=args.overlap_backward == "on",
               **(dict(tensor_mesh=mesh["tensor"]) if args.tp > 1 else {}))
 if args.optimizer == "dion":
     opt = shardopt.Dion(groups, lr=args.lr, mu=args.mu, rank_fraction=args.rank_fraction,
