@@ -4,7 +4,8 @@
     shardopt.accelerate.attach(accelerator, model, optimizer)
 
 switches off the all-reduce of the DistributedDataParallel wrapper prepare() puts around the model on
-several processes (shardopt.ddp.keep_local_gradients), and registers a save-state pre-hook so that every
+several processes (shardopt.ddp.keep_local_gradients; the micro-batches `accelerator.accumulate` runs
+under no_sync() then count as accumulation for the optimizer's exchange during backward), and registers a save-state pre-hook so that every
 accelerator.save_state first averages the replicas' decoupled momenta (synchronize_for_checkpoint) and
 checks that the replicas' weights agree. Clip with the optimizer's max_grad_norm, not
 accelerator.clip_grad_norm_ (that clips each replica by its own norm). Accelerate's FSDP and DeepSpeed
@@ -36,7 +37,7 @@ def attach(accelerator, model, optimizer) -> None:
     shardopt = shardopt_optimizer(optimizer, "pass shardopt.SignMuon(...) or shardopt.Dion(...) to accelerator.prepare")
     check_replicas(shardopt, accelerator.num_processes, "Accelerate")
     if isinstance(model, DistributedDataParallel):
-        keep_local_gradients(model)
+        keep_local_gradients(model, shardopt)
     elif accelerator.num_processes > 1:
         raise TypeError(f"shardopt.accelerate.attach: Accelerate runs {accelerator.num_processes} processes but the "
                         f"model is a {type(model).__name__}, not the DistributedDataParallel that accelerator.prepare "

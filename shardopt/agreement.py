@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from typing import NamedTuple
 
 import torch
 
@@ -57,6 +58,16 @@ def gradient_flag(grads: list[torch.Tensor], missing: bool, axes, device) -> int
     return int(flag.item())
 
 
+class StepDecision(NamedTuple):
+    """What every rank agreed before a step: `params`, the params that step (None: skipped for a
+    non-finite gradient); `stale`, whether some rank's exchange during backward read gradients or
+    settings that changed before step() (docs/design.md §12), so that work is not what this step
+    computes."""
+
+    params: set | None
+    stale: bool = False
+
+
 class StepAgreement:
     """The pre-step agreement of one optimizer, with its counters.
 
@@ -71,32 +82,38 @@ class StepAgreement:
         self.skipped_steps = 0
         self.warned_no_gradients = False
 
-    def stepping(self, params: list, labels: dict, replicate: Axis, param_axes, agreement_axes, device) -> set | None:
+    def stepping(self, params: list, labels: dict, replicate: Axis, param_axes, agreement_axes, device,
+                 stale: bool | None = None) -> StepDecision:
         """Of `params` (in param-group order), those every rank steps now (a gradient on some rank of
         `param_axes`, the axes whose ranks hold the same params), or None when the step is skipped
-        for a non-finite gradient. labels: param → its name. `agreement_axes`: where the branch is agreed."""
+        for a non-finite gradient. labels: param → its name. `agreement_axes`: where the branch is agreed.
+        stale: with the exchange during backward, whether this rank's started work is stale (agreed as
+        one more byte beside the params' has-gradient bytes, sent only when some rank lacks a gradient
+        or is stale); None without it."""
         check_gradients(labels.items())
         if device.type == "meta":   # meta tensors hold no values: nothing to agree on, nothing to read back
-            return {p for p in params if p.grad is not None}
+            return StepDecision({p for p in params if p.grad is not None})
         self._check_not_double_averaged(params, replicate, agreement_axes, device)
         grads = [local(p.grad) for p in params if p.grad is not None]
-        flag = gradient_flag(grads, len(grads) < len(params), agreement_axes, device)
+        flag = gradient_flag(grads, len(grads) < len(params) or bool(stale), agreement_axes, device)
         if flag == 2:
             self._report_nonfinite(params, labels)
-            return None
+            return StepDecision(None)
         if flag == 0:
-            return set(params)
-        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
+            return StepDecision(set(params))
+        extra = [bool(stale)] if stale is not None else []
+        has_grad = torch.tensor([p.grad is not None for p in params] + extra, dtype=torch.uint8, device=device)
         for axis in param_axes:                     # (a further agreement axis, e.g. ZeRO's node, may own others)
             axis.all_reduce(has_grad, "max")
-        stepping = {p for p, anywhere in zip(params, has_grad.tolist()) if anywhere}
+        anywhere = has_grad.tolist()
+        stepping = {p for p, has in zip(params, anywhere) if has}
         if not stepping and not self.warned_no_gradients:
             self.warned_no_gradients = True
             logger.warning("shardopt: no parameter has a gradient on any rank, so this step changed nothing "
                            "(said once). Under FSDP2 HSDP, set_requires_all_reduce(False) on a 2-D mesh keeps the "
                            "gradients inside FSDP2: shard with fully_shard(model, mesh=mesh['shard']) and pass "
                            "replicate_mesh=mesh['replicate'] (docs/design.md §9)")
-        return stepping
+        return StepDecision(stepping, bool(extra and anywhere[-1]))
 
     def _check_not_double_averaged(self, params, replicate: Axis, agreement_axes, device) -> None:
         """At the scheduled steps (with more than one replica), raise DoubleAveragingError on every

@@ -96,6 +96,16 @@ def split_world(replicate: int, shard: int) -> tuple:
     return mine["replicate"], mine["shard"]
 
 
+def _group_timeout(group):
+    """The collective timeout of `group` (its backend's options), or None for torch's default."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
 class Axes(NamedTuple):
     """The three axes of an optimizer (each an Axis; size 1 where the mesh has none)."""
 
@@ -114,6 +124,10 @@ class Pending:
         if self.work is not None:
             self.work.wait()
         return self.finish()
+
+    def done(self) -> bool:
+        """True when `wait()` would not block (the collective has completed; never blocks itself)."""
+        return self.work is None or self.work.is_completed()
 
 
 class Axis:
@@ -137,6 +151,19 @@ class Axis:
                             f"save optimizer.state_dict() (or use torch.distributed.checkpoint) and build the "
                             f"optimizer again on the other side")
         return (Axis, (self.name,))
+
+    def private(self) -> "Axis":
+        """An axis over the same ranks on a process group of its own, on which only its holder issues
+        collectives. Collectives issued from backward hooks start at times that differ from rank to rank;
+        on a group that someone else also uses during backward (FSDP2's reduce-scatters on the shard
+        group, DDP's reducer, tensor parallelism's all-reduces, another optimizer) the two streams of
+        collectives would interleave differently on different ranks and pair up wrongly. Made with
+        new_group(use_local_synchronization=True): every rank of this axis calls it, in the same order
+        as its other such calls; the other ranks of the world do not."""
+        if self.size == 1:
+            return Axis(self.name)
+        return Axis(self.name, dist.new_group(dist.get_process_group_ranks(self.group), timeout=_group_timeout(self.group),
+                                              use_local_synchronization=True))
 
     def reset_stats(self) -> None:
         self.bytes_sent = 0

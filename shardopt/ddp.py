@@ -21,10 +21,11 @@ def _local_bucket(state, bucket):
     return future
 
 
-def keep_local_gradients(model) -> None:
+def keep_local_gradients(model, optimizer=None) -> None:
     """Install the no-exchange communication hook on `model`, a torch DistributedDataParallel
     (call before the first backward; DDP accepts one hook per model: a second call on the same
-    model, e.g. from a second Trainer.train(), does nothing)."""
+    model, e.g. from a second Trainer.train(), does nothing). `optimizer`: a shardopt optimizer,
+    whose exchange during backward then waits out the micro-batches run under model.no_sync()."""
     from torch.nn.parallel import DistributedDataParallel
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"keep_local_gradients takes a torch.nn.parallel.DistributedDataParallel, got "
@@ -32,3 +33,5 @@ def keep_local_gradients(model) -> None:
     if not getattr(model, "_shardopt_local_gradients", False):
         model.register_comm_hook(None, _local_bucket)
         model._shardopt_local_gradients = True
+    if optimizer is not None:
+        optimizer.accumulate_under_no_sync(model)

@@ -11,7 +11,10 @@ or `optimizers=(shardopt optimizer, scheduler)` in place of optimizer_cls_and_kw
     Trainer saves, and checks that the replicas' weights are bitwise equal, so rank 0's checkpoint
     holds what every rank has and a resume from it is exact;
 (c) applies TrainingArguments' max_grad_norm (1.0 unless set) through the optimizer's agreed norm
-    (every replica scales by the same factor), not Trainer's clip of each replica by its own norm.
+    (every replica scales by the same factor), not Trainer's clip of each replica by its own norm; that
+    needs the whole gradient first, so it turns the optimizer's exchange during backward off
+    (`overlap_backward`, docs/design.md §12); with max_grad_norm=0 the exchange starts in backward,
+    and Trainer's inner micro-batches (run under DDP's no_sync()) count as accumulation.
 Trainer's FSDP and DeepSpeed settings are refused with the reason. transformers is imported here
 only, so `import shardopt` works without it.
 """
@@ -66,6 +69,7 @@ class ShardoptCallback(TrainerCallback):
         if args.max_grad_norm > 0:   # Trainer clips while it is > 0: hand it to the optimizer
             self.max_grad_norm = float(args.max_grad_norm)
             args.max_grad_norm = 0.0
+            self.optimizer.overlap_backward = False
             logger.info("shardopt: TrainingArguments' max_grad_norm=%g clips by the norm all replicas agree on "
                         "(ShardOptimizer.clip_grad_norm_), not Trainer's per-replica clip", self.max_grad_norm)
         if args.world_size > 1:
@@ -100,7 +104,7 @@ class ShardoptCallback(TrainerCallback):
                                "run inside a torch DistributedDataParallel of this model, so no all-reduce can be "
                                "switched off (a DDP built under torch._dynamo.config.optimize_ddp='python_reducer' "
                                "does not say it runs; leave that setting at its default)")
-        keep_local_gradients(wrapper)
+        keep_local_gradients(wrapper, self.optimizer)
         self._hook.remove()
 
 

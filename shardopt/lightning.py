@@ -63,11 +63,12 @@ class ShardoptCallback(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         from lightning.pytorch.strategies import DDPStrategy
         from torch.nn.parallel import DistributedDataParallel
-        self._optimizers(trainer)
+        optimizers = self._optimizers(trainer)
         model = trainer.strategy.model
         if isinstance(trainer.strategy, DDPStrategy) and isinstance(model, DistributedDataParallel):
             try:
-                keep_local_gradients(model)
+                for optimizer in optimizers:   # accumulate_grad_batches' no_sync() micro-batches: accumulation
+                    keep_local_gradients(model, optimizer)
             except RuntimeError as error:
                 raise RuntimeError("ShardoptCallback installs its own DDP comm hook (the all-reduce off) and DDP "
                                    "accepts one: drop DDPStrategy(ddp_comm_hook=…)") from error

@@ -30,6 +30,17 @@ double_averaging_check_every: at step 1 and every this many steps after, raise
     replicate all-reduce, the DeepSpeed engine's all-reduce; docs/design.md §9). 0 turns it off.
     Costs one all-reduce of 3 int64 on the replicate axis, one of 2 bytes on the other axes and
     one device sync, at those steps only (`traffic.double_averaging_check_bytes`).
+overlap_backward: start each bucket's momentum → direction → exchange during backward, as soon as its
+    gradients are final, and commit in step() (docs/design.md §12; results bitwise those of False).
+    Default False (opt in): it costs a copy of the stepping params and their state until step() (the
+    scratch) and process groups of the optimizer's own for its collectives (`comm.Axis.private`, made
+    with torch's group-local synchronization: every rank of an axis must have made the same number
+    of process groups before), and a step it skips or reruns has already spent its exchange. Not with
+    max_grad_norm > 0 (clipping scales every gradient by a factor that needs the global norm, known
+    only after backward: ValueError). Gradient accumulation: run the backward of every micro-batch but
+    the last under `optimizer.accumulating()` (or, under DDP, under `model.no_sync()` after
+    `optimizer.accumulate_under_no_sync(model)`). The DeepSpeed plugin refuses it (the engine owns the
+    gradients until engine.step()). Settable between steps, alike on every rank.
 
 Which params a step updates is agreed by all ranks: those with a gradient on at least one rank.
 A rank without a local gradient for such a param steps it with a zero gradient (it joins the same
@@ -38,12 +49,17 @@ collectives); a param without a gradient on every rank is skipped everywhere.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import weakref
+
 import torch
 
 from . import registry
+from .backward import Round, Scratch, backward_order
 from .buckets import DEFAULT_BUCKET_BYTES
 from .agreement import StepAgreement, check_ranks_agree, gradient_flag
-from .checks import check_group_keys, check_options, keep_state_dtypes, loadable
+from .checks import check_gradients, check_group_keys, check_options, keep_state_dtypes, loadable
 from .clipping import clip_grad_norm_
 from .comm import Axes, Axis
 from .exchange import MEAN
@@ -51,9 +67,11 @@ from .guard import replicas_equal
 from .hyperparams import follow_momentum_schedule, normalize_dtype_names, validate_group
 from .matrices import param_matrices
 from .placement import derive_meshes, local, tensor_split
-from .plan import Plans, group_steps
+from .plan import Plans, unit_params, unit_step, units
 from .schedule import complete, overlap
 from .traffic import DOUBLE_AVERAGING_CHECK_EVERY, describe, group_bytes
+
+logger = logging.getLogger("shardopt")
 
 
 class ShardOptimizer(torch.optim.Optimizer):
@@ -69,7 +87,7 @@ class ShardOptimizer(torch.optim.Optimizer):
                  agreement_timeout_s: float = 60.0, nonfinite: str = "skip", max_grad_norm: float = 0.0,
                  maximize: bool = False, foreach=None, fused=None, capturable=None, differentiable=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY):
+                 double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY, overlap_backward: bool = False):
         check_options(seed=seed, agreement_timeout_s=agreement_timeout_s, nonfinite=nonfinite,
                       max_grad_norm=max_grad_norm, maximize=maximize, bucket_bytes=bucket_bytes,
                       double_averaging_check_every=double_averaging_check_every, foreach=foreach, fused=fused,
@@ -82,13 +100,19 @@ class ShardOptimizer(torch.optim.Optimizer):
         self._param_index: dict[torch.Tensor, int] = {}
         self._param_label: dict[torch.Tensor, str] = {}
         self._plans = Plans()
+        self._overlap = False          # the exchange during backward (docs/design.md §12), set below
         super().__init__(params, {**registry.defaults(), **defaults, "maximize": maximize})
         meshes = derive_meshes(list(self._param_label.items()), replicate_mesh, shard_mesh, tensor_mesh)
         self.replicate, self.shard, self.tensor = self.axes = Axes(*(Axis(name, mesh) for name, mesh in
                                                                      zip(Axes._fields, meshes)))
         check_ranks_agree(self._param_label.items(), self.param_groups,
                           {"seed": self.seed, "bucket_bytes": bucket_bytes,
-                           "double_averaging_check_every": double_averaging_check_every}, self.axes, agreement_timeout_s)
+                           "double_averaging_check_every": double_averaging_check_every,
+                           "overlap_backward": int(bool(overlap_backward))},
+                          self.axes, agreement_timeout_s)
+        self.exchange_axes = self.axes   # where the bucket steps' collectives go (private groups when overlapping)
+        self._reset_overlap_runtime()
+        self.overlap_backward = overlap_backward
         self.reset_comm_stats()
 
     skipped_steps = property(lambda self: self.agreement.skipped_steps)
@@ -128,6 +152,8 @@ class ShardOptimizer(torch.optim.Optimizer):
         for param, label in zip(group["params"], labels):
             self._param_index[param] = len(self._param_index)
             self._param_label[param] = label
+        if self._overlap:
+            self._hook_gradients(group["params"])
 
     # ---- step ---------------------------------------------------------------------------------
     @torch.compiler.disable(reason="a shardopt step issues collectives and agrees on one host-read flag per step")
@@ -138,40 +164,196 @@ class ShardOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"]]
-        stepping = self.agreement.stepping(params, self._param_label, self.replicate, self.axes,
+        if self._overlap:
+            self._step_after_backward(params)
+            return loss
+        decision = self.agreement.stepping(params, self._param_label, self.replicate, self.axes,
                                            self.agreement_axes(), self._device())
-        if stepping is None:
+        if decision.params is None:
             return loss
         if self.max_norm > 0:
             self.last_grad_norm = self.clip_grad_norm_(self.max_norm)
-        overlap(self._steps(stepping), depth=self.overlap_depth)
+        self._run_in_place(decision.params)
         return loss
 
-    def _steps(self, stepping: set):
-        """The bucket step generators of every group, in param order (plan.group_steps)."""
+    # ---- the bucket steps ---------------------------------------------------------------------
+    def _units(self, stepping: set) -> list:
+        """(group index, record, plan, unit) of every unit (plan.units) of the groups' plans for the
+        params in `stepping`, in backward order (backward.backward_order); the same on every rank."""
+        found = []
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p in stepping]
             if not params:
                 continue
             record = registry.algorithm(group["algorithm"], index)
             follow_momentum_schedule(group, record.momentum)
-            for param in params:        # every param gets state, also one with no local matrix
-                state = self.state[param]
-                if not state:
-                    state.update(record.init_state(param, group, self._seed(param)))
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)   # whatever the default dtype
-                state["step"] += 1
             plan = self._plans.get(index, record, group, params, self.replicate.size, self.bucket_bytes, self._seed)
-            yield from group_steps(record, group, plan, local, _gradient_reader(group["maximize"]),
-                                   lambda p: {key: local(value) for key, value in self.state[p].items()}, self.axes,
-                                   lambda base, first: (base * 1_000_003 + int(self.state[first]["step"])) % 2**63)
+            found += [(index, record, plan, unit) for unit in units(plan)]
+        return backward_order(found, self._param_index.__getitem__)
+
+    def _unit_steps(self, units_: list, read_param, read_state):
+        """The step generator of each unit, made lazily; read_param / read_state: where a param's
+        tensor and state are read and written (in place, or scratch)."""
+        readers = {}
+        for index, record, plan, unit in units_:
+            group = self.param_groups[index]
+            gradient = readers.setdefault(index, _gradient_reader(group["maximize"]))
+            yield unit_step(record, group, plan, unit, read_param, gradient, read_state, self.exchange_axes,
+                            lambda base, first: (base * 1_000_003 + int(read_state(first)["step"])) % 2**63)
+
+    def _new_state(self, param) -> dict:
+        """A param's initial state (its record's, and a float32 step counter at 0, whatever the default dtype)."""
+        index, group = next((i, g) for i, g in enumerate(self.param_groups) if any(p is param for p in g["params"]))
+        state = registry.algorithm(group["algorithm"], index).init_state(param, group, self._seed(param))
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        return state
+
+    def _run_in_place(self, stepping: set) -> None:
+        """The step of the params in `stepping`, each unit writing its params and state in place."""
+        for param in [p for group in self.param_groups for p in group["params"] if p in stepping]:
+            state = self.state[param]     # every param gets state, also one with no local matrix
+            if not state:
+                state.update(self._new_state(param))
+            state["step"] += 1
+        overlap(self._unit_steps(self._units(stepping), local,
+                                 lambda p: {key: local(value) for key, value in self.state[p].items()}),
+                depth=self.overlap_depth)
+
+    # ---- the exchange during backward (docs/design.md §12) -------------------------------------
+    @property
+    def overlap_backward(self) -> bool:
+        """Whether bucket steps start during backward (see the module doc); set it between steps, alike on every rank."""
+        return self._overlap
+
+    @overlap_backward.setter
+    def overlap_backward(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"Invalid overlap_backward: {value!r}; it must be True or False (the default)")
+        if value and self.max_norm > 0:
+            raise ValueError(f"overlap_backward=True needs max_grad_norm=0 (got {self.max_norm:g}): clipping scales "
+                             f"every gradient by min(1, max_grad_norm/ν), and ν, the global norm, is known only after "
+                             f"backward, before which no bucket's direction can start; pass overlap_backward=False "
+                             f"to clip, or max_grad_norm=0 to overlap")
+        if self._round is not None and self._round.started():
+            raise RuntimeError("overlap_backward can change only between step() and the next backward: this "
+                               "backward's exchange has started; call step() first")
+        if value and self.exchange_axes is self.axes:
+            self.exchange_axes = Axes(*(axis.private() for axis in self.axes))
+        for handle in self._hooks:
+            handle.remove()
+        self._reset_overlap_runtime()
+        self._overlap = value
+        if value:
+            self._hook_gradients([p for group in self.param_groups for p in group["params"]])
+
+    def _reset_overlap_runtime(self) -> None:
+        self._hooks: list = []
+        self._round = None
+        self._planned = None            # the params the next round plans for (the last step's, agreed)
+        self._accumulating = 0
+        self._no_sync_models: list = []
+        self._warned_stale = False
+
+    def _hook_gradients(self, params) -> None:
+        """A post-accumulate-grad hook on each param that can have a gradient (a weak reference to the
+        optimizer: the params do not keep it alive)."""
+        optimizer = weakref.ref(self)
+
+        def final(param):
+            if (live := optimizer()) is not None:
+                live._gradient_final(param)
+        self._hooks += [p.register_post_accumulate_grad_hook(final) for p in params if p.requires_grad]
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Gradient accumulation with overlap_backward: run every micro-batch's backward but the last
+        inside `with optimizer.accumulating():` (like DDP's no_sync) so that the exchange starts only
+        once the gradients are whole. Without overlap_backward it does nothing."""
+        self._accumulating += 1
+        try:
+            yield
+        finally:
+            self._accumulating -= 1
+
+    def accumulate_under_no_sync(self, ddp_model) -> None:
+        """Treat the backward of micro-batches run under `ddp_model.no_sync()` (a DistributedDataParallel)
+        as accumulation (see `accumulating`): the frameworks (HF Trainer, Accelerate, Lightning) already
+        run their inner micro-batches under it (shardopt.ddp.keep_local_gradients(model, optimizer) calls this)."""
+        if not hasattr(ddp_model, "require_backward_grad_sync"):
+            raise TypeError(f"accumulate_under_no_sync takes a torch DistributedDataParallel, got {type(ddp_model).__name__}")
+        if not any(model is ddp_model for model in self._no_sync_models):
+            self._no_sync_models.append(ddp_model)
+
+    def _gradient_final(self, param) -> None:
+        """A param's post-accumulate-grad hook: unless accumulating, the round learns the gradient is final."""
+        if self._accumulating or any(not model.require_backward_grad_sync for model in self._no_sync_models):
+            return
+        round_ = self._current_round()
+        round_.arrive(param)
+        if not round_.snapshot_queued:
+            engine = torch.autograd.Variable._execution_engine
+
+            def after_the_others():   # runs after the callbacks queued before it, DDP's copy-back among them
+                engine.queue_callback(round_.snapshot_gradients)
+            try:
+                engine.queue_callback(after_the_others)
+                round_.snapshot_queued = True
+            except RuntimeError:      # a hook called outside backward: the snapshot at arrival stands
+                pass
+
+    def _current_round(self) -> Round:
+        if self._round is None:
+            planned = self._planned if self._planned is not None else \
+                {p for group in self.param_groups for p in group["params"] if p.requires_grad}
+            scratch = Scratch(self.state, self._new_state)
+            units_ = self._units(planned)
+            stream = torch.cuda.current_stream(self._device()) if self._device().type == "cuda" else None
+            self._round = Round([unit_params(plan, unit) for _, _, plan, unit in units_],
+                                self._unit_steps(units_, scratch.param, scratch.state), scratch, planned,
+                                self._group_settings(), self.overlap_depth, stream)
+        return self._round
+
+    def _group_settings(self) -> list:
+        return [repr(sorted((k, v) for k, v in group.items() if k not in ("params", "param_names")))
+                for group in self.param_groups]
+
+    def _step_after_backward(self, params: list) -> None:
+        """step() with overlap_backward: finish the round (every rank runs all its units, so every
+        collective started during backward is matched), agree, then commit the scratch, or discard it
+        (a skipped step; or a round planned for other params, or stale: the step then runs in place,
+        as overlap_backward=False would)."""
+        check_gradients(self._param_label.items())     # before anything: a bad gradient raises, as without overlap
+        round_, self._round = self._current_round(), None
+        round_.finish()
+        reason = round_.stale(self._group_settings())
+        decision = self.agreement.stepping(params, self._param_label, self.replicate, self.axes,
+                                           self.agreement_axes(), self._device(), stale=reason is not None)
+        if decision.params is None:
+            return
+        self._planned = decision.params
+        if decision.params == round_.planned and not decision.stale:
+            round_.scratch.commit()
+            return
+        if decision.stale and not self._warned_stale:
+            self._warned_stale = True
+            logger.warning("shardopt: overlap_backward: this step's exchange during backward was discarded and the "
+                           "step ran again after backward (said once): %s. Run the inner micro-batches' backward "
+                           "under optimizer.accumulating(), leave the gradients as backward made them, set lr before "
+                           "backward, or build the optimizer with overlap_backward=False",
+                           reason or "on another rank")
+        self._run_in_place(decision.params)
 
     def _seed(self, param) -> int:
         return (self.seed * 1_000_003 + self._param_index[param]) % 2**63
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip every rank's local gradients in place by one agreed factor; returns the agreed norm ν
-        (a 0-d tensor, no device sync). See `shardopt.clipping.clip_grad_norm_`."""
+        (a 0-d tensor, no device sync). See `shardopt.clipping.clip_grad_norm_`. Not with overlap_backward:
+        the exchange during backward has read the gradients already (RuntimeError)."""
+        if self._overlap:
+            raise RuntimeError("clip_grad_norm_ with overlap_backward=True: the exchange during backward has read the "
+                               "gradients before they could be clipped; set optimizer.overlap_backward = False (every "
+                               "rank) to clip, or pass max_grad_norm= when building the optimizer")
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         return clip_grad_norm_([local(p.grad) for p in params], max_norm, replicate=self.replicate,
                                split=self.gradient_split_axes(), device=self._device(), tensor=self.tensor,
@@ -211,12 +393,19 @@ class ShardOptimizer(torch.optim.Optimizer):
             self._optimizer_load_state_dict_pre_hooks = hooks
         keep_state_dtypes(self, state_dict, registry.ALGORITHMS)
 
+    _RUNTIME = ("_plans", "_hooks", "_round", "_no_sync_models")   # rebuilt, not copied
+
     def __getstate__(self) -> dict:   # every setting, not only torch.optim's defaults, state, groups
-        return {key: value for key, value in self.__dict__.items() if key != "_plans"}
+        return {key: value for key, value in self.__dict__.items() if key not in self._RUNTIME}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._plans = Plans()
+        overlapping, self._overlap = self.__dict__.get("_overlap", False), False
+        self._reset_overlap_runtime()
+        if overlapping:   # the copy's params get their own hooks; the axes (and their groups) are shared
+            self._overlap = True
+            self._hook_gradients([p for group in self.param_groups for p in group["params"]])
 
     # ---- traffic ------------------------------------------------------------------------------
     def replicate_bytes_per_step(self, replicas: int | None = None) -> list[int]:
@@ -232,12 +421,20 @@ class ShardOptimizer(torch.optim.Optimizer):
                         shard=self.shard, tensor=self.tensor)
 
     def comm_stats(self) -> dict:
-        """Bytes this rank sent/received and calls issued per axis since construction (or the last reset)."""
-        return {axis.name: axis.stats() for axis in self.axes}
+        """Bytes this rank sent/received and calls issued per axis since construction (or the last reset);
+        with overlap_backward the bucket steps' own groups (`exchange_axes`) are counted in with their axis."""
+        stats = {axis.name: dict.fromkeys(axis.stats(), 0) for axis in self.axes}
+        for axis in self._distinct_axes():
+            stats[axis.name] = {key: value + axis.stats()[key] for key, value in stats[axis.name].items()}
+        return stats
 
     def reset_comm_stats(self) -> None:
-        for axis in self.axes:
+        for axis in self._distinct_axes():
             axis.reset_stats()
+
+    def _distinct_axes(self) -> list[Axis]:
+        """The Axis objects of `axes` and `exchange_axes`, each once."""
+        return list({id(axis): axis for axis in (*self.axes, *getattr(self, "exchange_axes", ()))}.values())
 
     @torch.no_grad()
     def synchronize_for_checkpoint(self) -> None:

@@ -69,26 +69,42 @@ def plan_key(record, group: dict, params: list, replicas: int) -> tuple:
     return (tuple(id(p) for p in params), tuple(repr(group[k]) for k in record.plan_keys), replicas)
 
 
-def group_steps(record, group: dict, plan: GroupPlan, local_param, local_grad, local_state, axes, step_seed):
-    """The step generators of a planned group, one per bucket (element-wise: one), made lazily so
-    only the buckets in flight hold working copies. local_param(p), local_grad(p), local_state(p):
-    a param's local tensor, the gradient the step reads, its local state (dict of tensors);
-    step_seed(base seed, first param) → the seed of this step's coins."""
+def units(plan: GroupPlan) -> tuple:
+    """What a planned group steps one at a time: a matrix group's buckets (none where this rank holds
+    no matrix of the group), or (None,) for an element-wise group (one step over all its params; its
+    plan has an exchange per dtype)."""
+    return (None,) if plan.exchanges else plan.buckets
+
+
+def unit_params(plan: GroupPlan, unit) -> tuple:
+    """The params a unit reads (a bucket's, each once; an element-wise group's)."""
+    return tuple(dict.fromkeys(unit.params)) if unit is not None else plan.params
+
+
+def unit_step(record, group: dict, plan: GroupPlan, unit, local_param, local_grad, local_state, axes, step_seed):
+    """The step generator of one unit (`units`) of a planned group. local_param(p), local_grad(p),
+    local_state(p): a param's local tensor, the gradient the step reads, its local state (dict of
+    tensors; the step writes into the tensors local_param and local_state give); step_seed(base
+    seed, first param) → the seed of this step's coins."""
     options = record.options(group)
-    if not record.matrix:
+    if unit is None:
         params = plan.params
-        yield record.step([local_param(p) for p in params], [local_grad(p) for p in params],
-                          [local_state(p) for p in params], exchanges=plan.exchanges, axes=axes,
-                          seed=step_seed(plan.seed, params[0]), **options)
-        return
-    for bucket in plan.buckets:
-        pairs = list(zip(bucket.params, bucket.matrices))
-        states = [{key: (matrix.of_state if key in record.b_side_state else matrix.of)(value)
-                   for key, value in local_state(param).items() if key != "step"} for param, matrix in pairs]
-        yield record.step([matrix.of(local_param(param)) for param, matrix in pairs],
-                          [matrix.of(local_grad(param)) for param, matrix in pairs], states, layout=bucket.layout,
-                          exchange=bucket.exchange, axes=axes, seed=step_seed(bucket.seed, bucket.params[0]),
-                          **options)
+        return record.step([local_param(p) for p in params], [local_grad(p) for p in params],
+                           [local_state(p) for p in params], exchanges=plan.exchanges, axes=axes,
+                           seed=step_seed(plan.seed, params[0]), **options)
+    pairs = list(zip(unit.params, unit.matrices))
+    states = [{key: (matrix.of_state if key in record.b_side_state else matrix.of)(value)
+               for key, value in local_state(param).items() if key != "step"} for param, matrix in pairs]
+    return record.step([matrix.of(local_param(param)) for param, matrix in pairs],
+                       [matrix.of(local_grad(param)) for param, matrix in pairs], states, layout=unit.layout,
+                       exchange=unit.exchange, axes=axes, seed=step_seed(unit.seed, unit.params[0]), **options)
+
+
+def group_steps(record, group: dict, plan: GroupPlan, local_param, local_grad, local_state, axes, step_seed):
+    """The step generators of a planned group (`unit_step` of each unit, in plan order), made lazily
+    so only the buckets in flight hold working copies."""
+    for unit in units(plan):
+        yield unit_step(record, group, plan, unit, local_param, local_grad, local_state, axes, step_seed)
 
 
 class Plans:

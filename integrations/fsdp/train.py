@@ -37,6 +37,7 @@ and integrations/fsdp/defaults.json (the rest); --config FILE.json overrides the
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -94,6 +95,8 @@ parser.add_argument("--bf16", action="store_true", help="mixed precision: bf16 f
                     "MixedPrecisionPolicy), fp32 weights, gradient reduction and optimizer state")
 parser.add_argument("--clip", type=float, metavar="MAX", help="clip gradients to norm MAX, agreed "
                     "over all ranks (the optimizer's max_grad_norm; 0: off)")
+parser.add_argument("--overlap-backward", choices=("on", "off"), help="start each bucket's exchange during "
+                    "backward (the optimizer's overlap_backward; docs/design.md §12)")
 parser.add_argument("--stop-at", type=int, help="stop after this step (e.g. to resume later)")
 parser.add_argument("--checkpoint-every", type=int, help="0: no checkpoints")
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
@@ -175,7 +178,7 @@ groups = shardopt.param_groups(model, matrix_algorithm, args.nonmatrix_algorithm
     lr=args.nonmatrix_lr, weight_decay=0.0, betas=tuple(args.nonmatrix_betas)))
 # with --local-steps the optimizer has no replicate axis: LocalSteps owns it (below)
 meshes = dict(replicate_mesh=None if args.local_steps else mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed,
-              max_grad_norm=args.clip,
+              max_grad_norm=args.clip, overlap_backward=args.overlap_backward == "on",
               **(dict(tensor_mesh=mesh["tensor"]) if args.tp > 1 else {}))
 if args.optimizer == "dion":
     opt = shardopt.Dion(groups, lr=args.lr, mu=args.mu, rank_fraction=args.rank_fraction,
@@ -247,9 +250,11 @@ for step in progress:
     tick = time.perf_counter()
     lr = scheduler.get_last_lr()[0]   # this step's lr of the 2-D weights
     for micro in range(args.grad_accum):   # micro-batch i of step s is batch (s−1)·N + i + 1 of this rank
-        model.set_requires_gradient_sync(micro == args.grad_accum - 1)
+        last = micro == args.grad_accum - 1
+        model.set_requires_gradient_sync(last)
         _, loss = model(*batches("train", (step - 1) * args.grad_accum + micro + 1))
-        (loss / args.grad_accum).backward()
+        with contextlib.nullcontext() if last else opt.accumulating():   # the exchange starts on the last only
+            (loss / args.grad_accum).backward()
         window["loss"] += loss.detach().float() / args.grad_accum
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -30,7 +30,12 @@ class _EngineSide:
     """
 
     def __init__(self, params, *args, max_grad_norm: float = 0.0, zero_stage: int = 0,
-                 reduce_bucket_size: int = 500_000_000, node_mesh=None, **kwargs):
+                 reduce_bucket_size: int = 500_000_000, node_mesh=None, overlap_backward: bool = False, **kwargs):
+        if overlap_backward:
+            raise ValueError("overlap_backward=True is not available under DeepSpeed: the engine owns the gradients "
+                             "until engine.step() (it unscales fp16/bf16 gradients into the fp32 master copies there, "
+                             "ZeRO 1/2 reduces them to their owners, the agreed clipping norm needs all of them), so "
+                             "none is final during backward; leave overlap_backward out of the config")
         if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm >= 0):
             raise ValueError(f"Invalid gradient_clipping: {max_grad_norm!r}; it must be a number ≥ 0")
         if zero_stage not in (0, 1, 2):
@@ -40,7 +45,7 @@ class _EngineSide:
         self._global_grad_norm = None
         self.overflow = False       # read by the engine: a skipped step does not advance the LR scheduler
         self.wiring = None          # the wiring.EngineWiring to its engine; until then inert: see step()
-        super().__init__(params, *args, **kwargs)
+        super().__init__(params, *args, overlap_backward=False, **kwargs)
         self.node = Axis("node", node_mesh)
         # state tensors per element: AdamW keeps two moments, the others one (Dion's Q is small beside M)
         costs = [p.numel() * (2 if group["algorithm"] == "adamw" else 1) for group in self.param_groups
