@@ -1,0 +1,220 @@
+"""Local steps (shardopt.LocalSteps, docs/design.md §10) against the per-step methods and the DiLoCo and
+MuLoCo-style peers, at equal steps and tokens: final val loss and replicate bytes per token.
+
+    python launch/bench/localsteps.py                                  # the 200-step grid → results/localsteps.csv
+    python launch/bench/localsteps.py --configs ddp_adamw local_muon_H30_sign_vote --steps 1000 \\
+        --lr-factors 1 --eval-every 100                                # the long horizon, same CSV (steps column)
+    python launch/bench/localsteps.py --configs local_muon_H30_int8 --steps 20 --lr-factors 1 \\
+        --csv results/localsteps_smoke.csv                             # a reduced-scale check
+
+Each run: torchrun --standalone with 2 × 2 ranks on this machine (two "nodes" of two ranks), the same
+model, data and schedule as convergence.py (runs.model_args). A config is a runs.Method:
+- the per-step peers of runs.methods(): ddp_adamw, ddp_muon (DDP, fp32 gradient all-reduce), signmuon_lion
+  (1 bit per entry every step);
+- local_<inner>_H<H>_<exchange>: integrations/fsdp/train.py --optimizer <inner> --local-steps H
+  --outer-exchange <exchange> (inner steps on the shard axis only; every H steps the pseudo-gradient
+  through the outer exchange on the replicate axis; outer Nesterov SGD lr 0.7, momentum 0.6);
+- diloco_m<μ>_H<H>: AdamW inside, the fp32 mean outside, outer momentum μ (DiLoCo's 0.9, and 0.6);
+- muloco_H<H>: Muon inside (shardopt's Muon: torch.optim.Muon's update, tests/test_muon.py), int4 outside
+  with error feedback (MuLoCo's recipe).
+The inner non-matrix group is AdamW (its lr 0.1 as in convergence_best.csv): with local steps it sends
+nothing per step, the whole model's Δ goes through the outer exchange.
+
+    results/localsteps.csv   method, inner, H, exchange, outer_momentum, lr, scalar_lr, seed, steps, tokens,
+                             final_val_loss, replicate_bytes_total, bytes_per_token_vs_ddp_fp32 (this run's
+                             bytes / ddp_adamw's at the same steps), x_fewer_bytes (its inverse), compute_s, and
+                             time to target (ddp_adamw's final val loss at the same steps) at 10 and 1 Mbit/s
+    results/localsteps.png   val loss vs replicate bytes per token, each config at its best lr, one panel
+                             per horizon
+
+Bytes: what one rank sent on the replicate axis over the whole run, counted by the communication layer
+(train.py) or by counting.py's hooks (train_ddp.py). Time to target is computed, not run through a slow
+link (no network namespaces here): the measured compute seconds up to the first evaluation at or below
+the target, plus the bytes sent until then × 2 ranks per node × 8 / the link rate (each node's two ranks
+share its link; no overlap of exchange and compute, no latency). "not reached": the run never got there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+
+import campaign
+import runs
+
+FIELDS = ["method", "inner", "H", "exchange", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
+          "final_val_loss", "replicate_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",
+          "time_to_target_10mbit_s", "time_to_target_1mbit_s"]
+KEY = ("method", "lr", "scalar_lr", "seed", "steps")
+CURVE_FIELDS = ["method", "lr", "scalar_lr", "seed", "steps", "step", "val_loss", "replicate_bytes", "compute_s"]
+LINKS_MBIT = (10, 1)
+RANKS_PER_NODE = 2
+BASELINE = "ddp_adamw"
+INNER_LR = {"signmuon": 3e-3, "dion": 0.02, "muon": 0.02, "adamw": 1.5e-3}    # convergence_best.csv's per-step bests
+EXCHANGES = ("mean", "mean_bf16", "int8", "int4", "sign_vote", "lowrank")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A runs.Method with what localsteps.csv says of it: the optimizer inside, H (0: every step), the
+    outer exchange (or the per-step one) and the outer momentum."""
+    method: runs.Method
+    inner: str
+    H: int
+    exchange: str
+    outer_momentum: float | None = None
+
+
+def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: float = 0.6) -> Config:
+    args = ("--optimizer", inner, "--local-steps", str(H), "--outer-exchange", exchange,
+            "--outer-momentum", f"{outer_momentum:g}")
+    method = runs.Method(name, runs.FSDP_TRAIN, args, INNER_LR[inner], runs.ADAMW_SCALAR_LR)
+    return Config(method, inner, H, exchange, outer_momentum)
+
+
+def configs(n_embd: int) -> list[Config]:
+    """Every config of the benchmark: the per-step peers, DiLoCo, MuLoCo-style, then LocalSteps with
+    Sign-Muon, Dion and Muon inside for each outer exchange and H ∈ {10, 30, 100}."""
+    per_step = {m.name: m for m in runs.methods(n_embd)}
+    found = [Config(per_step["ddp_adamw"], "adamw", 0, "mean (fp32 gradients)"),
+             Config(per_step["ddp_muon"], "muon", 0, "mean (fp32 gradients)"),
+             Config(per_step["signmuon_lion"], "signmuon", 0, "vote (1 bit, every step)")]
+    for H in (10, 30, 100):
+        found += [local_config(f"diloco_m{m:g}_H{H}", "adamw", H, "mean", m) for m in (0.9, 0.6)]
+        found.append(local_config(f"muloco_H{H}", "muon", H, "int4"))
+        found += [local_config(f"local_{inner}_H{H}_{exchange}", inner, H, exchange)
+                  for inner in ("signmuon", "dion", "muon") for exchange in EXCHANGES
+                  if not (inner == "muon" and exchange == "int4")]        # (that one is muloco_H<H>)
+    return found
+
+
+def link_seconds(replicate_bytes: int, mbit: float) -> float:
+    """Seconds one node's link (RANKS_PER_NODE ranks sending alike) takes for one rank's replicate bytes."""
+    return replicate_bytes * RANKS_PER_NODE * 8 / (mbit * 1e6)
+
+
+def time_to_target(curve: list[tuple[int, float, float, int]], target: float, mbit: float) -> float:
+    """Compute seconds + link seconds at the first evaluation (step > 0) with val loss ≤ target; inf if none."""
+    return next((seconds + link_seconds(sent, mbit) for step, seconds, loss, sent in curve
+                 if step > 0 and loss <= target), math.inf)
+
+
+def arrange(rows: list[dict], curves: dict) -> list[dict]:
+    """The columns that depend on ddp_adamw's row at the same steps (its best lr over the file: bytes
+    ratio and time to its final val loss), recomputed whenever the CSV is written."""
+    baselines = {}
+    for row in rows:
+        if row["method"] == BASELINE:
+            steps = str(row["steps"])
+            if steps not in baselines or float(row["final_val_loss"]) < float(baselines[steps]["final_val_loss"]):
+                baselines[steps] = row
+    for row in rows:
+        baseline = baselines.get(str(row["steps"]))
+        if baseline is None:
+            continue
+        ratio = int(row["replicate_bytes_total"]) / int(baseline["replicate_bytes_total"])
+        row["bytes_per_token_vs_ddp_fp32"] = f"{ratio:.6f}"
+        row["x_fewer_bytes"] = f"{1 / ratio:.1f}" if ratio else "inf"
+        curve = curves.get(tuple(str(row[k]) for k in KEY))
+        reference = curves.get(tuple(str(baseline[k]) for k in KEY))
+        target = reference[-1][2] if reference else float(baseline["final_val_loss"])   # (unrounded)
+        for mbit in LINKS_MBIT:
+            seconds = time_to_target(curve, target, mbit) if curve else math.nan
+            row[f"time_to_target_{mbit}mbit_s"] = "not reached" if seconds == math.inf else \
+                "" if math.isnan(seconds) else f"{seconds:.1f}"
+    return [{field: row.get(field, "") for field in FIELDS} for row in rows]
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Val loss vs bytes per token (relative to DDP fp32), each config at its best lr, a panel per horizon."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    horizons = sorted({int(r["steps"]) for r in rows})
+    if not horizons:
+        return
+    figure, axes = plt.subplots(1, len(horizons), figsize=(6 * len(horizons), 4.5), squeeze=False)
+    for axis, steps in zip(axes[0], horizons):
+        best = best_rows([r for r in rows if int(r["steps"]) == steps and r.get("bytes_per_token_vs_ddp_fp32")])
+        for index, row in enumerate(best):
+            marker = "s" if row["H"] == "0" else "o"
+            axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), float(row["final_val_loss"]), marker=marker,
+                         color=plt.cm.tab20.colors[index % 20], label=row["method"])
+        axis.set(xscale="log", xlabel="replicate bytes per token / DDP fp32's", ylabel="final val loss",
+                 title=f"{steps} steps (best lr each; squares: every step)")
+        axis.legend(fontsize=6, ncol=2)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+
+
+def best_rows(rows: list[dict]) -> list[dict]:
+    """Per method the row of its lowest final val loss (over lrs and seeds)."""
+    best: dict[str, dict] = {}
+    for row in rows:
+        if row["method"] not in best or float(row["final_val_loss"]) < float(best[row["method"]]["final_val_loss"]):
+            best[row["method"]] = row
+    return list(best.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=None, help="config names (default: all of configs())")
+    parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0],
+                        help="× each config's lr (the inner lr of the 2-D weights)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    runs.add_model_arguments(parser)
+    parser.add_argument("--run-timeout", type=float, default=7200.0)
+    parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS / "localsteps")
+    parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "localsteps.csv")
+    args = parser.parse_args()
+    every = {c.method.name: c for c in configs(args.n_embd)}
+    unknown = [name for name in args.configs or [] if name not in every]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(every)}")
+    chosen = [every[name] for name in args.configs] if args.configs else list(every.values())
+    model = runs.model_args(args)
+    tokens_per_step = args.batch_size * args.block_size * 4
+    curves_campaign = campaign.Campaign(args.csv.with_name(args.csv.stem + "_curves.csv"), CURVE_FIELDS,
+                                        (*KEY, "step"))
+
+    def curves() -> dict:
+        found: dict = {}
+        for r in curves_campaign.everything():
+            found.setdefault(tuple(str(r[k]) for k in KEY), []).append(
+                (int(r["step"]), float(r["compute_s"]), float(r["val_loss"]), int(r["replicate_bytes"])))
+        return found
+
+    finals = campaign.Campaign(args.csv, FIELDS, KEY, arrange=lambda rows: arrange(rows, curves()))
+    print(f"localsteps: {len(chosen)} configs × {len(args.lr_factors)} lrs × seeds {args.seeds}; {args.steps} steps "
+          f"of {tokens_per_step:,} tokens; 2 × 2 ranks", flush=True)
+    for config in chosen:
+        method = config.method
+        for factor in args.lr_factors:
+            for seed in args.seeds:
+                lr, scalar_lr = method.lr * factor, method.scalar_lr
+                out = runs.local_run_dir(args.runs_dir / f"s{args.steps}", method, lr, None, seed, 2)
+                command = method.command(lr, None, seed, out, model, 2, 2)
+                if not finals.attempt(f"{method.name} lr {lr:g} seed {seed}", lambda: campaign.run_local(
+                        command, 4, out / "log.txt", args.run_timeout, reuse=True)):
+                    continue
+                summary = runs.summarize(runs.read_metrics(out))
+                key = {"method": method.name, "lr": f"{lr:g}", "scalar_lr": method.scalar_lr_text(scalar_lr),
+                       "seed": seed, "steps": summary.steps}
+                curves_campaign.add(*({**key, "step": step, "val_loss": f"{loss:.6f}", "replicate_bytes": sent,
+                                       "compute_s": f"{seconds:.2f}"} for step, seconds, loss, sent in summary.curve),
+                                    show=False)
+                finals.add({**key, "inner": config.inner, "H": config.H, "exchange": config.exchange,
+                            "outer_momentum": "" if config.outer_momentum is None else f"{config.outer_momentum:g}",
+                            "tokens": summary.steps * tokens_per_step, "final_val_loss": f"{summary.final_val_loss:.4f}",
+                            "replicate_bytes_total": summary.replicate_bytes_total,
+                            "compute_s": f"{summary.curve[-1][1]:.1f}"})
+    everything = finals.everything()
+    campaign.print_table(best_rows(everything))
+    plot(everything, args.csv.with_suffix(".png"))
+    print(f"wrote {args.csv}, {curves_campaign.path.name} and {args.csv.with_suffix('.png').name}")
+    finals.finish("--runs-dir")
+
+
+if __name__ == "__main__":
+    main()
