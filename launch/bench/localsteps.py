@@ -21,17 +21,20 @@ The inner non-matrix group is AdamW (its lr 0.1 as in convergence_best.csv): wit
 nothing per step, the whole model's Δ goes through the outer exchange.
 
     results/localsteps.csv   method, inner, H, exchange, outer_momentum, lr, scalar_lr, seed, steps, tokens,
-                             final_val_loss, replicate_bytes_total, bytes_per_token_vs_ddp_fp32 (this run's
-                             bytes / ddp_adamw's at the same steps), x_fewer_bytes (its inverse), compute_s, and
-                             time to target (ddp_adamw's final val loss at the same steps) at 10 and 1 Mbit/s
+                             final_val_loss, replicate_bytes_total (one rank's), link_bytes_total (one node's
+                             on the link between the nodes), bytes_per_token_vs_ddp_fp32 (link bytes /
+                             ddp_adamw's at the same steps and tokens), x_fewer_bytes (its inverse), compute_s,
+                             and time to target (ddp_adamw's final val loss at the same steps) at 10 and 1 Mbit/s
     results/localsteps.png   val loss vs replicate bytes per token, each config at its best lr, one panel
                              per horizon
 
 Bytes: what one rank sent on the replicate axis over the whole run, counted by the communication layer
 (train.py) or by counting.py's hooks (train_ddp.py). Time to target is computed, not run through a slow
 link (no network namespaces here): the measured compute seconds up to the first evaluation at or below
-the target, plus the bytes sent until then × 2 ranks per node × 8 / the link rate (each node's two ranks
-share its link; no overlap of exchange and compute, no latency). "not reached": the run never got there.
+the target, plus the link bytes until then × 8 / the link rate (no overlap of exchange and compute, no
+latency). Link bytes: one rank's counted bytes × 2 for shardopt (each of a node's two ranks exchanges its
+shard with its peer on the other node) and × 1 for DDP (its ring over the 4 ranks crosses each way once),
+the ratios slowlink.py measured on the emulated link. "not reached": the run never got there.
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ import campaign
 import runs
 
 FIELDS = ["method", "inner", "H", "exchange", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
-          "final_val_loss", "replicate_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",
+          "final_val_loss", "replicate_bytes_total", "link_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",
           "time_to_target_10mbit_s", "time_to_target_1mbit_s"]
 KEY = ("method", "lr", "scalar_lr", "seed", "steps")
 CURVE_FIELDS = ["method", "lr", "scalar_lr", "seed", "steps", "step", "val_loss", "replicate_bytes", "compute_s"]
 LINKS_MBIT = (10, 1)
 RANKS_PER_NODE = 2
+RING_CROSSINGS = 1    # DDP's ring over 4 ranks on 2 nodes: one rank's bytes cross each way (results/slowlink*.csv)
 BASELINE = "ddp_adamw"
 INNER_LR = {"signmuon": 3e-3, "dion": 0.02, "muon": 0.02, "adamw": 1.5e-3}    # convergence_best.csv's per-step bests
 EXCHANGES = ("mean", "mean_bf16", "int8", "int4", "sign_vote", "lowrank")
@@ -90,14 +94,16 @@ def configs(n_embd: int) -> list[Config]:
     return found
 
 
-def link_seconds(replicate_bytes: int, mbit: float) -> float:
-    """Seconds one node's link (RANKS_PER_NODE ranks sending alike) takes for one rank's replicate bytes."""
-    return replicate_bytes * RANKS_PER_NODE * 8 / (mbit * 1e6)
+def link_factor(method: str) -> int:
+    """The bytes one node puts on the link per byte one rank counted: shardopt's RANKS_PER_NODE replicate
+    groups each cross it; DDP's ring crosses it once (the ratio slowlink.py measured on the emulated link)."""
+    return RING_CROSSINGS if method in ("ddp_adamw", "ddp_muon") else RANKS_PER_NODE
 
 
-def time_to_target(curve: list[tuple[int, float, float, int]], target: float, mbit: float) -> float:
-    """Compute seconds + link seconds at the first evaluation (step > 0) with val loss ≤ target; inf if none."""
-    return next((seconds + link_seconds(sent, mbit) for step, seconds, loss, sent in curve
+def time_to_target(curve: list[tuple[int, float, float, int]], target: float, factor: int, mbit: float) -> float:
+    """Compute seconds + link seconds (one rank's bytes so far × factor × 8 / rate) at the first evaluation
+    (step > 0) with val loss ≤ target; inf if none."""
+    return next((seconds + sent * factor * 8 / (mbit * 1e6) for step, seconds, loss, sent in curve
                  if step > 0 and loss <= target), math.inf)
 
 
@@ -114,14 +120,15 @@ def arrange(rows: list[dict], curves: dict) -> list[dict]:
         baseline = baselines.get(str(row["steps"]))
         if baseline is None:
             continue
-        ratio = int(row["replicate_bytes_total"]) / int(baseline["replicate_bytes_total"])
+        row["link_bytes_total"] = int(row["replicate_bytes_total"]) * link_factor(row["method"])
+        ratio = row["link_bytes_total"] / (int(baseline["replicate_bytes_total"]) * link_factor(BASELINE))
         row["bytes_per_token_vs_ddp_fp32"] = f"{ratio:.6f}"
         row["x_fewer_bytes"] = f"{1 / ratio:.1f}" if ratio else "inf"
         curve = curves.get(tuple(str(row[k]) for k in KEY))
         reference = curves.get(tuple(str(baseline[k]) for k in KEY))
         target = reference[-1][2] if reference else float(baseline["final_val_loss"])   # (unrounded)
         for mbit in LINKS_MBIT:
-            seconds = time_to_target(curve, target, mbit) if curve else math.nan
+            seconds = time_to_target(curve, target, link_factor(row["method"]), mbit) if curve else math.nan
             row[f"time_to_target_{mbit}mbit_s"] = "not reached" if seconds == math.inf else \
                 "" if math.isnan(seconds) else f"{seconds:.1f}"
     return [{field: row.get(field, "") for field in FIELDS} for row in rows]
