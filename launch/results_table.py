@@ -53,6 +53,13 @@ SOURCES = {
     "fashion_mnist.csv": ("python launch/bench/fashion_mnist.py",
                           "Fashion-MNIST test accuracy (a CNN, conv weights as matrices, 2 replicas): every lr each "
                           "method ran, its seeds in order; the best by seed 0 marked."),
+    "localsteps.csv": (("python launch/bench/localsteps.py  # (the grid as docs/benchmarks.md ran it)",),
+                       "Local steps (shardopt.LocalSteps) against the per-step methods, DiLoCo and a MuLoCo-style "
+                       "peer, 2 × 2 ranks, the 1.3M-parameter GPT on BPE-4096, equal steps and tokens per horizon. "
+                       "Link bytes: one node's on the link between the two nodes (one rank's counted bytes × 2 for "
+                       "shardopt's two replicate groups, × 1 for DDP's ring); x fewer: ddp_adamw's link bytes at the "
+                       "same steps over the row's. Time to target (ddp_adamw's final val loss at the same steps) is "
+                       "computed: measured compute seconds + link bytes × 8 / rate, no overlap, no latency."),
     "scalar_quality.csv": ("python launch/bench/nonmatrix_quality.py",
                            "Lion-vote against AdamW for the non-matrix parameters (BPE-4096: the tied embedding/head "
                            "is 40 % of the 1.3 M parameters; 2 replicas × 2 FSDP2 shards, 200 steps): the best "
@@ -229,6 +236,37 @@ def slowlink_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def localsteps_summary(rows: list[dict]) -> str:
+    """The README's local-steps table: per horizon (steps), the per-step peers, the best (lowest final val
+    loss over lrs) DiLoCo, MuLoCo-style and LocalSteps row, and the LocalSteps row with the most x fewer
+    bytes among those at or below ddp_adamw's loss (where one is)."""
+    lines = ["| steps | method | lr | final val loss | x fewer link bytes per token than DDP fp32 | "
+             "time to ddp_adamw's loss at 10 Mbit/s | at 1 Mbit/s |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for steps in sorted({int(r["steps"]) for r in rows}):
+        mine = [r for r in rows if int(r["steps"]) == steps and r["x_fewer_bytes"]]
+
+        def best(kind) -> dict | None:
+            found = [r for r in mine if kind(r["method"])]
+            return min(found, key=lambda r: float(r["final_val_loss"])) if found else None
+        chosen = [best(lambda m, name=name: m == name) for name in ("ddp_adamw", "ddp_muon", "signmuon_lion")]
+        chosen += [best(lambda m, prefix=prefix: m.startswith(prefix)) for prefix in ("diloco", "muloco", "local_")]
+        baseline = chosen[0]
+        if baseline is not None:
+            matching = [r for r in mine if r["method"].startswith(("local_", "muloco"))
+                        and float(r["final_val_loss"]) <= float(baseline["final_val_loss"])]
+            chosen.append(max(matching, key=lambda r: float(r["x_fewer_bytes"])) if matching else None)
+        shown = []
+        for r in chosen:
+            if r is None or r in shown:
+                continue
+            shown.append(r)
+            times = [r[f"time_to_target_{mbit}mbit_s"] for mbit in (10, 1)]
+            lines.append(f"| {steps} | {r['method']} | {r['lr']} | {float(r['final_val_loss']):.3f} | "
+                         f"{float(r['x_fewer_bytes']):,.0f}× | "
+                         + " | ".join(t if t == "not reached" else f"{float(t):,.0f} s" for t in times) + " |")
+    return "\n".join(lines)
+
+
 def setting_text(row: dict) -> str:
     """A row's learning rates: "lr" or, with a scalar_lr column, "lr (scalar_lr)"."""
     return row["lr"] + (f" ({row['scalar_lr']})" if row.get("scalar_lr") else "")
@@ -293,7 +331,8 @@ def results_document(paths: list[Path]) -> str:
     return "\n".join([RESULTS_HEADER] + sections)
 
 
-README_BLOCKS = {"headline": headline_table, "demo": training_table, "slowlink": slowlink_summary}
+README_BLOCKS = {"headline": headline_table, "demo": training_table, "slowlink": slowlink_summary,
+                 "localsteps": localsteps_summary}
 README_BLOCK = re.compile(r"(<!-- (\w+):begin \((results/[\w./-]+\.csv)\) -->\n).*?(<!-- \2:end -->)", re.S)
 
 

@@ -14,6 +14,7 @@ from workers import WorkerPool  # noqa: E402
 
 import campaign  # noqa: E402
 import convergence  # noqa: E402
+import localsteps  # noqa: E402
 import runs  # noqa: E402
 import slowlink  # noqa: E402
 from shardopt.comm import collective_bytes  # noqa: E402
@@ -115,6 +116,46 @@ def test_time_to_target_is_the_first_evaluation_at_or_below_target_and_inf_other
     assert runs.time_to_target(curve, 4.5) == pytest.approx(0.2)   # step 0 (5.0, untrained) never counts
     assert runs.time_to_target(curve, 3.0) == math.inf
     assert runs.time_to_target(runs.summarize(_rows([(1, 100, 0, 6.0)])).curve, 5.5) == math.inf
+
+
+def test_time_to_target_adds_the_link_seconds_of_the_bytes_sent_until_then():
+    curve = runs.summarize(_rows([(2, 100, 50, 4.0), (4, 100, 50, 3.5)])).curve     # 100 B by step 2, 200 by 4
+    assert runs.time_to_target(curve, 3.5, seconds_per_byte=0.01) == pytest.approx(0.4 + 200 * 0.01)
+    assert runs.time_to_target(curve, 3.0, seconds_per_byte=0.01) == math.inf
+
+
+def _local_row(method, steps, loss, sent):
+    return {"method": method, "lr": "0.01", "scalar_lr": "0.1", "seed": "0", "steps": str(steps),
+            "final_val_loss": loss, "replicate_bytes_total": str(sent)}
+
+
+def test_localsteps_rows_are_against_ddp_adamw_at_the_same_steps_in_link_bytes():
+    """shardopt's counted bytes cross the link twice (two replicate groups per node), DDP's ring once;
+    the target is ddp_adamw's unrounded final loss at the same steps (its own curve reaches it)."""
+    rows = [_local_row("ddp_adamw", 10, "4.0000", 8000), _local_row("local_x", 10, "3.9", 20),
+            _local_row("ddp_adamw", 50, "3.0", 40000), _local_row("local_x", 50, "3.5", 100)]
+    curves = {("ddp_adamw", "0.01", "0.1", "0", "10"): [(0, 0.0, 9.0, 0), (10, 2.0, 3.99996, 8000)],
+              ("local_x", "0.01", "0.1", "0", "10"): [(0, 0.0, 9.0, 0), (5, 1.0, 3.95, 10), (10, 2.0, 3.9, 20)]}
+    out = {(r["method"], r["steps"]): r for r in localsteps.arrange(rows, curves)}
+    assert list(out[("local_x", "10")]) == localsteps.FIELDS
+    assert out[("local_x", "10")]["link_bytes_total"] == 40 and out[("ddp_adamw", "10")]["link_bytes_total"] == 8000
+    assert float(out[("local_x", "10")]["x_fewer_bytes"]) == 200.0
+    assert float(out[("local_x", "50")]["x_fewer_bytes"]) == 200.0      # against the 50-step baseline
+    assert float(out[("local_x", "10")]["time_to_target_1mbit_s"]) == pytest.approx(1.0 + 20 * 8 / 1e6, abs=0.05)
+    assert float(out[("ddp_adamw", "10")]["time_to_target_1mbit_s"]) == pytest.approx(2.0 + 8000 * 8 / 1e6, abs=0.05)
+    assert out[("local_x", "50")]["time_to_target_1mbit_s"] == ""          # no curve: nothing computed
+
+
+def test_localsteps_configs_cover_every_inner_exchange_and_period_once():
+    configs = localsteps.configs(128)
+    names = [c.method.name for c in configs]
+    assert len(names) == len(set(names))
+    local = {(c.inner, c.H, c.exchange) for c in configs if c.H}
+    for H in (10, 30, 100):
+        assert {(i, H, e) for i in ("signmuon", "dion", "muon") for e in localsteps.EXCHANGES} <= local
+        assert ("adamw", H, "mean") in local
+    muloco = next(c for c in configs if c.method.name == "muloco_H30")
+    assert ("--local-steps", "30") == muloco.method.args[2:4] and "int4" in muloco.method.args
 
 
 def test_summarize_refuses_a_run_without_a_trained_evaluation():

@@ -17,6 +17,17 @@ def _row(method, rate, target_s, step_ms="100.0", counted="1000", wire=""):
             "time_to_target_s": target_s, "final_val_loss": "5.0"}
 
 
+def test_localsteps_summary_shows_the_peers_the_bests_and_the_most_compressed_at_ddp_adamws_loss():
+    def row(method, loss, fewer):
+        return {"method": method, "lr": "0.01", "steps": "200", "final_val_loss": loss, "x_fewer_bytes": fewer,
+                "time_to_target_10mbit_s": "12.5", "time_to_target_1mbit_s": "not reached"}
+    rows = [row("ddp_adamw", "4.6", "1.0"), row("diloco_m0.9_H30", "4.7", "40.0"), row("local_a_H10", "4.5", "400.0"),
+            row("local_b_H100", "4.58", "4000.0"), row("local_c_H100", "4.9", "9000.0")]
+    lines = results_table.localsteps_summary(rows).splitlines()[2:]
+    assert [line.split(" | ")[1] for line in lines] == ["ddp_adamw", "diloco_m0.9_H30", "local_a_H10", "local_b_H100"]
+    assert lines[-1].endswith("| 4,000× | 12 s | not reached |")
+
+
 def test_slowlink_table_divides_by_ddp_adamw_at_the_same_rate_and_shows_wire_over_counted():
     rows = [_row("ddp_adamw", "inf", "20.0"), _row("fast", "inf", "10.0", step_ms="150.0"),
             _row("ddp_adamw", "10", "900.0", wire="1010"), _row("fast", "10", "12.0", wire="1100"),

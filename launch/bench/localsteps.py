@@ -100,13 +100,6 @@ def link_factor(method: str) -> int:
     return RING_CROSSINGS if method in ("ddp_adamw", "ddp_muon") else RANKS_PER_NODE
 
 
-def time_to_target(curve: list[tuple[int, float, float, int]], target: float, factor: int, mbit: float) -> float:
-    """Compute seconds + link seconds (one rank's bytes so far × factor × 8 / rate) at the first evaluation
-    (step > 0) with val loss ≤ target; inf if none."""
-    return next((seconds + sent * factor * 8 / (mbit * 1e6) for step, seconds, loss, sent in curve
-                 if step > 0 and loss <= target), math.inf)
-
-
 def arrange(rows: list[dict], curves: dict) -> list[dict]:
     """The columns that depend on ddp_adamw's row at the same steps (its best lr over the file: bytes
     ratio and time to its final val loss), recomputed whenever the CSV is written."""
@@ -128,7 +121,8 @@ def arrange(rows: list[dict], curves: dict) -> list[dict]:
         reference = curves.get(tuple(str(baseline[k]) for k in KEY))
         target = reference[-1][2] if reference else float(baseline["final_val_loss"])   # (unrounded)
         for mbit in LINKS_MBIT:
-            seconds = time_to_target(curve, target, link_factor(row["method"]), mbit) if curve else math.nan
+            per_byte = link_factor(row["method"]) * 8 / (mbit * 1e6)    # one rank's byte → link seconds
+            seconds = runs.time_to_target(curve, target, per_byte) if curve else math.nan
             row[f"time_to_target_{mbit}mbit_s"] = "not reached" if seconds == math.inf else \
                 "" if math.isnan(seconds) else f"{seconds:.1f}"
     return [{field: row.get(field, "") for field in FIELDS} for row in rows]

@@ -191,9 +191,11 @@ def summarize(rows: list[dict]) -> Summary:
                    replicate_bytes_total=sent, final_val_loss=curve[-1][2], curve=curve, wire_bytes_per_step=wire)
 
 
-def time_to_target(curve: list[tuple[int, float, float, int]], target: float) -> float:
+def time_to_target(curve: list[tuple[int, float, float, int]], target: float, seconds_per_byte: float = 0.0) -> float:
     """Training seconds at the first evaluation with val loss ≤ target (step 0 excluded: no training yet
-    is no time); inf if never reached."""
-    return next((seconds for step, seconds, loss, _ in curve if step > 0 and loss <= target), math.inf)
+    is no time), plus the bytes sent until then × seconds_per_byte (a link the exchange does not overlap);
+    inf if never reached."""
+    return next((seconds + sent * seconds_per_byte for step, seconds, loss, sent in curve
+                 if step > 0 and loss <= target), math.inf)
 
 
