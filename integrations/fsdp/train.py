@@ -59,6 +59,7 @@ import data  # noqa: E402
 import shardopt  # noqa: E402
 import training  # noqa: E402
 import world  # noqa: E402  (integrations/fsdp/world.py)
+from shardopt.polar import SCHEDULES  # noqa: E402
 from shardopt.vote import resolve_vote  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -81,6 +82,8 @@ parser.add_argument("--wire-dtype", choices=("bfloat16", "float32"),
                     help="dion: precision of the low-rank factors on the replicate axis")
 parser.add_argument("--momentum", type=float, help="signmuon, muon: EMA momentum")
 parser.add_argument("--ns-steps", type=int, help="signmuon, muon: Newton–Schulz steps")
+parser.add_argument("--ns-coefficients", choices=tuple(SCHEDULES), help="signmuon, muon: Newton–Schulz coefficient "
+                    "schedule (Muon's quintic, or Polar Express's per-step quintics: shardopt/polar.py)")
 parser.add_argument("--vote", choices=shardopt.VOTE_FORMATS + ("auto",), help="signmuon: wire format of the majority vote")
 training.add_renamed(parser, "--nonmatrix-algorithm", "--scalar-algorithm", choices=("adamw", "lion"), help="embeddings, "
                      "norms and head: AdamW (full-precision gradient mean) or Lion (1-bit majority vote over the replicas)")
@@ -176,6 +179,8 @@ log(f"model: {model.num_params():,} params, {args.n_layer} layers, width {args.n
 matrix_algorithm = "dion" if args.optimizer == "adamw" else args.optimizer
 groups = shardopt.param_groups(model, matrix_algorithm, args.nonmatrix_algorithm, nonmatrix_options=dict(
     lr=args.nonmatrix_lr, weight_decay=0.0, betas=tuple(args.nonmatrix_betas)))
+if args.optimizer in ("signmuon", "muon"):
+    groups[0]["ns_coefficients"] = args.ns_coefficients
 # with --local-steps the optimizer has no replicate axis: LocalSteps owns it (below)
 meshes = dict(replicate_mesh=None if args.local_steps else mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed,
               max_grad_norm=args.clip, overlap_backward=args.overlap_backward == "on",
