@@ -157,13 +157,25 @@ class Axis:
         collectives. Collectives issued from backward hooks start at times that differ from rank to rank;
         on a group that someone else also uses during backward (FSDP2's reduce-scatters on the shard
         group, DDP's reducer, tensor parallelism's all-reduces, another optimizer) the two streams of
-        collectives would interleave differently on different ranks and pair up wrongly. Made with
-        new_group(use_local_synchronization=True): every rank of this axis calls it, in the same order
-        as its other such calls; the other ranks of the world do not."""
+        collectives would interleave differently on different ranks and pair up wrongly.
+
+        A collective over the whole world (every rank calls it, in the same order as its other group
+        creations, as for torch's new_group): the ranks learn every rank's group (all_gather_object) and
+        make them all with new_subgroups_by_enumeration, whose group names every rank agrees on. (A group
+        made by its own ranks only, use_local_synchronization=True, is named from how many groups each
+        rank holds: ranks holding different numbers, e.g. after a group of some ranks only, would wait
+        for each other under different names.)"""
         if self.size == 1:
             return Axis(self.name)
-        return Axis(self.name, dist.new_group(dist.get_process_group_ranks(self.group), timeout=_group_timeout(self.group),
-                                              use_local_synchronization=True))
+        groups: list = [None] * dist.get_world_size()
+        dist.all_gather_object(groups, dist.get_process_group_ranks(self.group))
+        distinct = sorted(set(map(tuple, groups)))
+        overlapping = {rank for group in distinct for rank in group}
+        if len(overlapping) != sum(map(len, distinct)):
+            raise ValueError(f"the {self.name} axis: the ranks' groups {distinct} overlap; a private copy needs "
+                             f"the {self.name} groups of the world to be disjoint (one mesh dimension)")
+        mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in distinct], timeout=_group_timeout(self.group))
+        return Axis(self.name, mine)
 
     def reset_stats(self) -> None:
         self.bytes_sent = 0

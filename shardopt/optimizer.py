@@ -33,9 +33,8 @@ double_averaging_check_every: at step 1 and every this many steps after, raise
 overlap_backward: start each bucket's momentum → direction → exchange during backward, as soon as its
     gradients are final, and commit in step() (docs/design.md §12; results bitwise those of False).
     Default False (opt in): it costs a copy of the stepping params and their state until step() (the
-    scratch) and process groups of the optimizer's own for its collectives (`comm.Axis.private`, made
-    with torch's group-local synchronization: every rank of an axis must have made the same number
-    of process groups before), and a step it skips or reruns has already spent its exchange. Not with
+    scratch) and process groups of the optimizer's own for its collectives (`comm.Axis.private`: turning
+    it on is a collective over the whole world, every rank turns it on), and a step it skips or reruns has already spent its exchange. Not with
     max_grad_norm > 0 (clipping scales every gradient by a factor that needs the global norm, known
     only after backward: ValueError). Gradient accumulation: run the backward of every micro-batch but
     the last under `optimizer.accumulating()` (or, under DDP, under `model.no_sync()` after

@@ -162,6 +162,22 @@ def test_hsdp_overlap_is_bitwise_the_step_after_backward(pool4, algorithm, optio
     assert all(all(started > 0 for started in result["on"]["started"]) for result in results)
 
 
+def _after_a_group_of_one_rank(algorithm, options):
+    """Overlap on and off after rank 0 alone made a group of its own ranks (use_local_synchronization):
+    the ranks then hold different numbers of groups, which names a group-local one differently on each."""
+    lonely = dist.new_group([0], use_local_synchronization=True) if dist.get_rank() == 0 else None
+    try:
+        return _on_and_off("plain", algorithm, "lion", options)
+    finally:
+        if lonely is not None:
+            dist.destroy_process_group(lonely)
+
+
+def test_private_groups_are_agreed_when_ranks_hold_different_numbers_of_groups(pool2):
+    _assert_bitwise(pool2.run(_after_a_group_of_one_rank, "signmuon", dict(lr=0.01, vote="alltoall_1bit"),
+                              timeout_s=TIMEOUT_S))
+
+
 def test_nonfinite_gradient_on_one_rank_skips_everywhere(pool2):
     results = pool2.run(_on_and_off, "plain", "dion", "adamw", dict(rank_fraction=0.25), nan_at=(1, 1),
                         timeout_s=TIMEOUT_S)
