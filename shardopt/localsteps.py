@@ -95,10 +95,11 @@ class LocalSteps(torch.optim.Optimizer):
     replicate_mesh: 1-D DeviceMesh or ProcessGroup of the replicas (the slow axis).
     sync_every: H ≥ 1, inner steps per round.
     outer_lr, outer_momentum, nesterov: the outer SGD (MuLoCo's 0.7 / 0.6 / Nesterov by default).
-    exchange: one of outer.EXCHANGES ("mean", "mean_bf16", "int8", "int4", "sign_vote", "lowrank").
+    exchange: one of outer.EXCHANGES ("mean", "mean_bf16", "int8", "int4", "sign_vote", "sign_mean",
+        "lowrank").
     rank_fraction: "lowrank"'s r = ⌈rank_fraction·min(m, n)⌉ per 2-D param (one whose (a+b)·r < a·b;
         the others go by sign_vote), with a warm-started Q (b×r, N(0,1) from the seed) in the state.
-    block: entries per scale of "int8" / "int4" / "sign_vote"; vote: "sign_vote"'s wire format (vote.py,
+    block: entries per scale of "int8" / "int4" / "sign_vote" / "sign_mean"; vote: "sign_vote"'s wire format (vote.py,
         or "auto").
     overlap: round k's exchange runs during round k+1 (one collective advanced per inner step) and is
         applied at round k+1's end, with the inner progress made meanwhile kept on top. θ_outer is

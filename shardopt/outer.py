@@ -17,6 +17,7 @@ nothing extra. Bytes one replica sends, n entries (padding included), M replicas
 | "int8", "int4" | x in blocks of `block`, absmax scale per block, codes of `bits` bits; all-to-all of each owner's chunk (codes, the scales, the flag), owners decode, average and requantize, all-gather of the owners' chunks | 2(M−1)·(n_p·bits/(8M) + 4·n_p/(block·M) + 4), n_p = n padded to block·M |
 | "lowrank" | per matrix Dion's P (a×r) and R (b×r) means in bf16 (`LowRank`), the rest by "sign_vote" | Σ AR(2(a+b)·r) + the rest's |
 | "sign_vote" | 1-bit vote of sign(x) in vote.py's format (zeros abstain, as Lion's) times the block's mean abs x averaged over the replicas | vote bytes + AR(4(⌈n/block⌉ + 1)) |
+| "sign_mean" | every replica's 1-bit sign(x) and its own per-block mean abs x, all-gathered; the mean of the replicas' scaled signs | (M−1)·(⌈n/8⌉ + 4(⌈n/block⌉ + 1)) |
 
 On one replica nothing is exchanged or rounded: mean = own = x.
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Axis, collective_bytes
-from .signs import padded_length
+from .signs import pack_signs, padded_length, unpack_signs
 from .vote import VOTES, vote_format
 
 DEFAULT_BLOCK = 4096
@@ -232,6 +233,45 @@ class SignVote(OuterFormat):
         return voted.float() * spread_blocks(slots[:-FLAG_SLOT], self.block, n), own, slots[-1] > 0
 
 
+class SignMean(OuterFormat):
+    """own = s·m_b, s = +1 where x > 0 else −1, m_b = mean |x| over the entry's block of `block` (the
+    scaled sign, EF-signSGD's compressor); one all-gather of every replica's packed s, m and flag;
+    mean = (1/M)·Σ_r own_r in replica order, bitwise equal everywhere. With each replica's error
+    feedback e_r = x_r − own_r, mean + (1/M)·Σ_r e_r is exactly the replicas' mean x: everything the
+    wire dropped is carried to the next sync. (A majority vote drops what it outvotes, and at even M
+    its ties, for good: at M = 2 every entry the two replicas disagree on moves by a coin's ±m_b.)
+    Bytes grow with M as an all-gather's: at M = 2 those of sign_vote, at M = 8 about 4× them."""
+
+    name = "sign_mean"
+
+    def __init__(self, block: int = DEFAULT_BLOCK):
+        if block < 1:
+            raise ValueError(f"block must be ≥ 1 entries, got {block}")
+        self.block = block
+
+    def _sign_bytes(self, numel: int) -> int:
+        return padded_length(numel, 8) // 8
+
+    def bytes(self, numel: int, replicas: int) -> int:
+        payload = self._sign_bytes(numel) + 4 * (-(-numel // self.block) + FLAG_SLOT)
+        return collective_bytes("all_gather", payload, replicas)
+
+    def exchange(self, x, replicate, seed):
+        n, flag = x.numel(), nonfinite_flag(x)
+        if replicate.size == 1:
+            return x, x, flag[0] > 0
+        finite = torch.nan_to_num(x)
+        scales = block_mean_abs(finite, self.block) if n else finite
+        own = torch.where(finite > 0, 1.0, -1.0) * spread_blocks(scales, self.block, n)
+        payload = torch.cat([pack_signs(finite > 0), as_bytes(torch.cat([scales, flag]))])
+        rows = yield replicate.all_gather(payload, async_op=True)                  # (M, payload bytes)
+        sign_bytes = self._sign_bytes(n)
+        slots = rows[:, sign_bytes:].contiguous().view(torch.float32)              # (M, blocks + 1)
+        positive = unpack_signs(rows[:, :sign_bytes], n)                           # (M, n)
+        decoded = torch.where(positive, 1.0, -1.0) * slots[:, :-FLAG_SLOT].repeat_interleave(self.block, dim=1)[:, :n]
+        return decoded.sum(dim=0) / replicate.size, own, slots[:, -1].max() > 0
+
+
 @dataclass
 class LowRankMatrix:
     """One matrix of a "lowrank" exchange: where its local block sits in x (`offset`, `shape`, the
@@ -325,7 +365,8 @@ FORMATS = {"mean": lambda **_: Mean("mean", torch.float32),
            "mean_bf16": lambda **_: Mean("mean_bf16", torch.bfloat16),
            "int8": lambda block=DEFAULT_BLOCK, **_: Quantized("int8", 8, block),
            "int4": lambda block=DEFAULT_BLOCK, **_: Quantized("int4", 4, block),
-           "sign_vote": lambda block=DEFAULT_BLOCK, vote="alltoall_1bit", **_: SignVote(vote, block)}
+           "sign_vote": lambda block=DEFAULT_BLOCK, vote="alltoall_1bit", **_: SignVote(vote, block),
+           "sign_mean": lambda block=DEFAULT_BLOCK, **_: SignMean(block)}
 EXCHANGES = (*FORMATS, "lowrank")   # lowrank: built per fragment by LocalSteps (it needs the matrices)
 
 

@@ -127,7 +127,7 @@ def dion_bytes(layout, rank_fraction, wire_itemsize, sizes):
 def outer_bytes(exchange: str, n: int, replicas: int, block: int, matrices=(), rank_fraction: float = 0.25) -> int:
     """The tests' byte oracle for one local-steps sync (docs/design.md §10 and shardopt/outer.py's table,
     not the code): bytes one replica sends for n entries among M replicas, with `block` entries per
-    scale and one fp32 non-finite flag; alltoall_1bit for sign_vote. "lowrank": `matrices`, whole
+    scale and one fp32 non-finite flag; alltoall_1bit for sign_vote; sign_mean all-gathers. "lowrank": `matrices`, whole
     (m, n) matrices whose P (a×r) and R (b×r) means cross in bf16, r = ⌈rank_fraction·min(m, n)⌉, and
     the n other entries by sign_vote."""
     M = replicas
@@ -147,6 +147,8 @@ def outer_bytes(exchange: str, n: int, replicas: int, block: int, matrices=(), r
         n_p = math.ceil(n / (block * M)) * block * M
         chunk = n_p * bits // (8 * M) + 4 * n_p // (block * M) + 4       # codes, scales, flag per owner
         return 2 * (M - 1) * chunk                                          # all-to-all + all-gather
+    if exchange == "sign_mean":                                             # every replica's signs and scales
+        return (M - 1) * (math.ceil(n / 8) + 4 * (math.ceil(n / block) + 1))
     if exchange == "sign_vote":
         n_p = math.ceil(n / (8 * M)) * 8 * M
         vote = 2 * (n_p // 8) * (M - 1) // M if n else 0                    # N(M−1)/(4M), padded

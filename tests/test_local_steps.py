@@ -238,7 +238,12 @@ def _int4_compressed(x):
     return (torch.clamp(torch.round(blocks / scale), -7, 7) * scale).reshape(-1)[:x.numel()]
 
 
-@pytest.mark.parametrize("exchange, compressed", [("sign_vote", _sign_vote_compressed), ("int4", _int4_compressed)])
+def _sign_mean_compressed(x):
+    return torch.where(x > 0, 1.0, -1.0) * _sign_vote_compressed(x).abs()
+
+
+@pytest.mark.parametrize("exchange, compressed", [("sign_vote", _sign_vote_compressed), ("int4", _int4_compressed),
+                                                  ("sign_mean", _sign_mean_compressed)])
 def test_error_feedback_keeps_what_the_wire_dropped_and_telescopes(pool2, exchange, compressed):
     results = pool2.run(_error_feedback, exchange, 6)
     for rounds in results:
@@ -249,6 +254,36 @@ def test_error_feedback_keeps_what_the_wire_dropped_and_telescopes(pool2, exchan
         sent = sum(sync["delta"] + sync["error_before"] - sync["error_after"] for sync in rounds)
         torch.testing.assert_close(sent + rounds[-1]["error_after"], sum(sync["delta"] for sync in rounds),
                                    rtol=0, atol=1e-5)
+
+
+def _sign_mean_syncs(steps):
+    """Each sync (every step, outer lr 1, no momentum) on both replicas: θ_outer and e before it (the
+    initial params and 0 at the first), this replica's gradient, θ_outer after it."""
+    params = _params()
+    opt = _local_steps("sgd", params, sync_every=1, exchange="sign_mean", outer_lr=1.0, outer_momentum=0.0)
+
+    def flat(key):
+        return torch.cat([opt.state[p][key].reshape(-1).clone() for p in params])
+    syncs = []
+    for step in range(1, steps + 1):
+        _set_gradients(params, step, _rank())
+        before = (flat("outer_params"), flat("outer_error")) if opt.state else \
+            (torch.cat([p.detach().reshape(-1).clone() for p in params]), torch.zeros(NUMEL))
+        opt.step()
+        syncs.append({"outer_before": before[0], "error_before": before[1], "outer_after": flat("outer_params"),
+                      "grad": torch.cat([g.reshape(-1) for g in _gradients(step, _rank())])})
+    return syncs
+
+
+def test_sign_mean_moves_by_the_mean_of_both_replicas_scaled_signs(pool2):
+    """θ_outer ← θ_outer − (c(x_0) + c(x_1))/2 with c the scaled sign and x_r = lr·g_r + e_r (one inner
+    SGD step per round): no vote, no coin."""
+    results = pool2.run(_sign_mean_syncs, 3)
+    for sync in range(3):
+        x = [INNER_LR * results[r][sync]["grad"] + results[r][sync]["error_before"] for r in range(2)]
+        want = results[0][sync]["outer_before"] - (_sign_mean_compressed(x[0]) + _sign_mean_compressed(x[1])) / 2
+        for rank in range(2):
+            torch.testing.assert_close(results[rank][sync]["outer_after"], want, rtol=0, atol=1e-6)
 
 
 def test_nonfinite_round_is_discarded_on_every_replica(pool2):

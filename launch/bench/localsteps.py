@@ -57,7 +57,7 @@ RANKS_PER_NODE = 2
 RING_CROSSINGS = 1    # DDP's ring over 4 ranks on 2 nodes: one rank's bytes cross each way (results/slowlink*.csv)
 BASELINE = "ddp_adamw"
 INNER_LR = {"signmuon": 3e-3, "dion": 0.02, "muon": 0.02, "adamw": 1.5e-3}    # convergence_best.csv's per-step bests
-EXCHANGES = ("mean", "mean_bf16", "int8", "int4", "sign_vote", "lowrank")
+EXCHANGES = ("mean", "mean_bf16", "int8", "int4", "sign_vote", "sign_mean", "lowrank")
 
 
 @dataclasses.dataclass(frozen=True)
