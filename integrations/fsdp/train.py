@@ -124,6 +124,8 @@ parser.add_argument("--fragments", type=int, metavar="F", help="local steps: syn
                     "staggered steps")
 parser.add_argument("--outer-rank-fraction", type=float, help="local steps, --outer-exchange lowrank: rank / "
                     "min(m, n) of each matrix's pseudo-gradient")
+parser.add_argument("--outer-block", type=int, help="local steps: entries per scale of the int8, int4, sign_vote and "
+                    "sign_mean exchanges")
 args = training.parse_args(parser, training.GPT_DEFAULTS, Path(__file__).with_name("defaults.json"))
 args.lr = args.lr_by_optimizer[args.optimizer] if args.lr is None else args.lr
 args.nonmatrix_lr = args.nonmatrix_lr or args.nonmatrix_lr_by_algorithm[args.nonmatrix_algorithm]
@@ -199,7 +201,7 @@ if args.local_steps:
     opt = shardopt.LocalSteps(opt, replicate_mesh=mesh["replicate"], sync_every=args.local_steps,
                               outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                               exchange=args.outer_exchange, overlap=args.outer_overlap, fragments=args.fragments,
-                              rank_fraction=args.outer_rank_fraction, seed=args.seed)
+                              rank_fraction=args.outer_rank_fraction, block=args.outer_block, seed=args.seed)
 log(opt.describe())
 # the scheduler's epoch counts the steps taken; step s (from 1) runs at base lr × lr_multiplier(s)
 scheduler = torch.optim.lr_scheduler.LambdaLR(

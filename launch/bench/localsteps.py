@@ -71,11 +71,12 @@ class Config:
     outer_momentum: float | None = None
 
 
-def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: float = 0.6) -> Config:
+def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: float = 0.6,
+                 block: int | None = None) -> Config:
     args = ("--optimizer", inner, "--local-steps", str(H), "--outer-exchange", exchange,
-            "--outer-momentum", f"{outer_momentum:g}")
+            "--outer-momentum", f"{outer_momentum:g}", *(("--outer-block", str(block)) if block else ()))
     method = runs.Method(name, runs.FSDP_TRAIN, args, INNER_LR[inner], runs.ADAMW_SCALAR_LR)
-    return Config(method, inner, H, exchange, outer_momentum)
+    return Config(method, inner, H, exchange + (f", block {block}" if block else ""), outer_momentum)
 
 
 def configs(n_embd: int) -> list[Config]:
@@ -91,6 +92,8 @@ def configs(n_embd: int) -> list[Config]:
         found += [local_config(f"local_{inner}_H{H}_{exchange}", inner, H, exchange)
                   for inner in ("signmuon", "dion", "muon") for exchange in EXCHANGES
                   if not (inner == "muon" and exchange == "int4")]        # (that one is muloco_H<H>)
+        found += [local_config(f"local_{inner}_H{H}_{exchange}_b128", inner, H, exchange, block=128)
+                  for inner in ("signmuon", "dion", "muon") for exchange in ("sign_mean", "sign_vote", "lowrank")]
     return found
 
 
