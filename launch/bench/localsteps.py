@@ -4,6 +4,8 @@ MuLoCo-style peers, at equal steps and tokens: final val loss and replicate byte
     python launch/bench/localsteps.py                                  # the 200-step grid → results/localsteps.csv
     python launch/bench/localsteps.py --configs ddp_adamw local_muon_H30_sign_vote --steps 1000 \\
         --lr-factors 1 --eval-every 100                                # the long horizon, same CSV (steps column)
+    python launch/bench/localsteps.py --configs local_muon_H30_int8 --outer-lrs 1 0.7 --outer-momenta 0 0.6 \\
+        --lr-factors 1                                                 # outer SGD variants (…_olr1_m0)
     python launch/bench/localsteps.py --configs local_muon_H30_int8 --steps 20 --lr-factors 1 \\
         --csv results/localsteps_smoke.csv                             # a reduced-scale check
 
@@ -47,7 +49,7 @@ from pathlib import Path
 import campaign
 import runs
 
-FIELDS = ["method", "inner", "H", "exchange", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
+FIELDS = ["method", "inner", "H", "exchange", "outer_lr", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
           "final_val_loss", "replicate_bytes_total", "link_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",
           "time_to_target_10mbit_s", "time_to_target_1mbit_s"]
 KEY = ("method", "lr", "scalar_lr", "seed", "steps")
@@ -57,6 +59,7 @@ RANKS_PER_NODE = 2
 RING_CROSSINGS = 1    # DDP's ring over 4 ranks on 2 nodes: one rank's bytes cross each way (results/slowlink*.csv)
 BASELINE = "ddp_adamw"
 INNER_LR = {"signmuon": 3e-3, "dion": 0.02, "muon": 0.02, "adamw": 1.5e-3}    # convergence_best.csv's per-step bests
+OUTER_LR = 0.7          # LocalSteps' default (MuLoCo's), momentum 0.6
 EXCHANGES = ("mean", "mean_bf16", "int8", "int4", "sign_vote", "sign_mean", "lowrank")
 
 
@@ -69,6 +72,7 @@ class Config:
     H: int
     exchange: str
     outer_momentum: float | None = None
+    outer_lr: float | None = None
 
 
 def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: float = 0.6,
@@ -76,7 +80,17 @@ def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: f
     args = ("--optimizer", inner, "--local-steps", str(H), "--outer-exchange", exchange,
             "--outer-momentum", f"{outer_momentum:g}", *(("--outer-block", str(block)) if block else ()))
     method = runs.Method(name, runs.FSDP_TRAIN, args, INNER_LR[inner], runs.ADAMW_SCALAR_LR)
-    return Config(method, inner, H, exchange + (f", block {block}" if block else ""), outer_momentum)
+    return Config(method, inner, H, exchange + (f", block {block}" if block else ""), outer_momentum, OUTER_LR)
+
+
+def outer_variant(config: Config, outer_lr: float, outer_momentum: float) -> Config:
+    """A local-steps config with another outer SGD (lr, momentum), labelled e.g. local_muon_H30_int8_olr1_m0."""
+    if not config.H:
+        raise SystemExit(f"--outer-lrs/--outer-momenta: {config.method.name} has no outer loop (choose local-steps configs)")
+    method = dataclasses.replace(config.method, name=f"{config.method.name}_olr{outer_lr:g}_m{outer_momentum:g}",
+                                 args=(*config.method.args, "--outer-lr", f"{outer_lr:g}",
+                                       "--outer-momentum", f"{outer_momentum:g}"))
+    return dataclasses.replace(config, method=method, outer_lr=outer_lr, outer_momentum=outer_momentum)
 
 
 def configs(n_embd: int) -> list[Config]:
@@ -113,6 +127,8 @@ def arrange(rows: list[dict], curves: dict) -> list[dict]:
             if steps not in baselines or float(row["final_val_loss"]) < float(baselines[steps]["final_val_loss"]):
                 baselines[steps] = row
     for row in rows:
+        if str(row["H"]) != "0" and not row.get("outer_lr"):
+            row["outer_lr"] = f"{OUTER_LR:g}"     # (rows from before the column: the default)
         baseline = baselines.get(str(row["steps"]))
         if baseline is None:
             continue
@@ -167,6 +183,9 @@ def main() -> None:
     parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0],
                         help="× each config's lr (the inner lr of the 2-D weights)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--outer-lrs", nargs="+", type=float, default=None,
+                        help="run each chosen local-steps config at each outer lr (with --outer-momenta)")
+    parser.add_argument("--outer-momenta", nargs="+", type=float, default=None, help="(see --outer-lrs)")
     runs.add_model_arguments(parser)
     parser.add_argument("--run-timeout", type=float, default=7200.0)
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS / "localsteps")
@@ -177,6 +196,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(every)}")
     chosen = [every[name] for name in args.configs] if args.configs else list(every.values())
+    if args.outer_lrs or args.outer_momenta:
+        chosen = [outer_variant(c, lr, m) for c in chosen for lr in args.outer_lrs or [OUTER_LR]
+                  for m in args.outer_momenta or [0.6]]
     model = runs.model_args(args)
     tokens_per_step = args.batch_size * args.block_size * 4
     curves_campaign = campaign.Campaign(args.csv.with_name(args.csv.stem + "_curves.csv"), CURVE_FIELDS,
@@ -210,6 +232,7 @@ def main() -> None:
                                     show=False)
                 finals.add({**key, "inner": config.inner, "H": config.H, "exchange": config.exchange,
                             "outer_momentum": "" if config.outer_momentum is None else f"{config.outer_momentum:g}",
+                            "outer_lr": "" if config.outer_lr is None else f"{config.outer_lr:g}",
                             "tokens": summary.steps * tokens_per_step, "final_val_loss": f"{summary.final_val_loss:.4f}",
                             "replicate_bytes_total": summary.replicate_bytes_total,
                             "compute_s": f"{summary.curve[-1][1]:.1f}"})
