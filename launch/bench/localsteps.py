@@ -190,12 +190,15 @@ def main() -> None:
     parser.add_argument("--run-timeout", type=float, default=7200.0)
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS / "localsteps")
     parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "localsteps.csv")
+    parser.add_argument("--merge", nargs="+", type=Path, default=[],
+                        help="other localsteps CSVs (with their _curves.csv) whose rows join --csv's; runs only the "
+                             "--configs given (none by default)")
     args = parser.parse_args()
     every = {c.method.name: c for c in configs(args.n_embd)}
     unknown = [name for name in args.configs or [] if name not in every]
     if unknown:
         raise SystemExit(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(every)}")
-    chosen = [every[name] for name in args.configs] if args.configs else list(every.values())
+    chosen = [every[name] for name in args.configs] if args.configs else [] if args.merge else list(every.values())
     if args.outer_lrs or args.outer_momenta:
         chosen = [outer_variant(c, lr, m) for c in chosen for lr in args.outer_lrs or [OUTER_LR]
                   for m in args.outer_momenta or [0.6]]
@@ -212,6 +215,9 @@ def main() -> None:
         return found
 
     finals = campaign.Campaign(args.csv, FIELDS, KEY, arrange=lambda rows: arrange(rows, curves()))
+    for other in args.merge:
+        curves_campaign.add(*campaign.read_csv(other.with_name(other.stem + "_curves.csv")), show=False)
+        finals.add(*({field: row.get(field, "") for field in FIELDS} for row in campaign.read_csv(other)), show=False)
     print(f"localsteps: {len(chosen)} configs × {len(args.lr_factors)} lrs × seeds {args.seeds}; {args.steps} steps "
           f"of {tokens_per_step:,} tokens; 2 × 2 ranks", flush=True)
     for config in chosen:
