@@ -144,6 +144,8 @@ def test_localsteps_rows_are_against_ddp_adamw_at_the_same_steps_in_link_bytes()
     assert float(out[("local_x", "10")]["time_to_target_1mbit_s"]) == pytest.approx(1.0 + 20 * 8 / 1e6, abs=0.05)
     assert float(out[("ddp_adamw", "10")]["time_to_target_1mbit_s"]) == pytest.approx(2.0 + 8000 * 8 / 1e6, abs=0.05)
     assert out[("local_x", "50")]["time_to_target_1mbit_s"] == ""          # no curve: nothing computed
+    quiet = {(r["method"], r["steps"]): r for r in localsteps.arrange(rows, curves, {"local_x": 100.0})}
+    assert float(quiet[("local_x", "10")]["time_to_target_1mbit_s"]) == pytest.approx(5 * 0.1 + 20 * 8 / 1e6, abs=0.05)
 
 
 def test_localsteps_configs_cover_every_inner_exchange_and_period_once():

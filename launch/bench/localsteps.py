@@ -32,9 +32,11 @@ nothing per step, the whole model's Δ goes through the outer exchange.
 
 Bytes: what one rank sent on the replicate axis over the whole run, counted by the communication layer
 (train.py) or by counting.py's hooks (train_ddp.py). Time to target is computed, not run through a slow
-link (no network namespaces here): the measured compute seconds up to the first evaluation at or below
-the target, plus the link bytes until then × 8 / the link rate (no overlap of exchange and compute, no
-latency). Link bytes: one rank's counted bytes × 2 for shardopt (each of a node's two ranks exchanges its
+link (no network namespaces here): the compute seconds up to the first evaluation at or below the
+target, plus the link bytes until then × 8 / the link rate (no overlap of exchange and compute, no
+latency). Compute seconds: steps × the method's median step time from the quiet pass (--step-times:
+each method alone on the machine, one after another, results/localsteps_step_ms.csv) where it ran;
+else the run's own step times (compute_s: measured while other runs shared the 2 cores). Link bytes: one rank's counted bytes × 2 for shardopt (each of a node's two ranks exchanges its
 shard with its peer on the other node) and × 1 for DDP (its ring over the 4 ranks crosses each way once),
 the ratios slowlink.py measured on the emulated link. "not reached": the run never got there.
 """
@@ -117,9 +119,12 @@ def link_factor(method: str) -> int:
     return RING_CROSSINGS if method in ("ddp_adamw", "ddp_muon") else RANKS_PER_NODE
 
 
-def arrange(rows: list[dict], curves: dict) -> list[dict]:
+def arrange(rows: list[dict], curves: dict, step_ms: dict | None = None) -> list[dict]:
     """The columns that depend on ddp_adamw's row at the same steps (its best lr over the file: bytes
-    ratio and time to its final val loss), recomputed whenever the CSV is written."""
+    ratio and time to its final val loss), recomputed whenever the CSV is written. step_ms: method →
+    its step time from the quiet pass (--step-times); where given, a run's compute seconds up to a step
+    are step × step_ms (the campaign's own step times are measured on a machine shared with other runs)."""
+    step_ms = step_ms or {}
     baselines = {}
     for row in rows:
         if row["method"] == BASELINE:
@@ -127,7 +132,7 @@ def arrange(rows: list[dict], curves: dict) -> list[dict]:
             if steps not in baselines or float(row["final_val_loss"]) < float(baselines[steps]["final_val_loss"]):
                 baselines[steps] = row
     for row in rows:
-        if str(row["H"]) != "0" and not row.get("outer_lr"):
+        if str(row.get("H", "0")) != "0" and not row.get("outer_lr"):
             row["outer_lr"] = f"{OUTER_LR:g}"     # (rows from before the column: the default)
         baseline = baselines.get(str(row["steps"]))
         if baseline is None:
@@ -136,7 +141,7 @@ def arrange(rows: list[dict], curves: dict) -> list[dict]:
         ratio = row["link_bytes_total"] / (int(baseline["replicate_bytes_total"]) * link_factor(BASELINE))
         row["bytes_per_token_vs_ddp_fp32"] = f"{ratio:.6f}"
         row["x_fewer_bytes"] = f"{1 / ratio:.1f}" if ratio else "inf"
-        curve = curves.get(tuple(str(row[k]) for k in KEY))
+        curve = quiet(curves.get(tuple(str(row[k]) for k in KEY)), step_ms.get(row["method"]))
         reference = curves.get(tuple(str(baseline[k]) for k in KEY))
         target = reference[-1][2] if reference else float(baseline["final_val_loss"])   # (unrounded)
         for mbit in LINKS_MBIT:
@@ -145,6 +150,13 @@ def arrange(rows: list[dict], curves: dict) -> list[dict]:
             row[f"time_to_target_{mbit}mbit_s"] = "not reached" if seconds == math.inf else \
                 "" if math.isnan(seconds) else f"{seconds:.1f}"
     return [{field: row.get(field, "") for field in FIELDS} for row in rows]
+
+
+def quiet(curve: list | None, step_ms: float | None) -> list | None:
+    """curve with its seconds recomputed as step × step_ms / 1000 (unchanged where step_ms is None)."""
+    if curve is None or step_ms is None:
+        return curve
+    return [(step, step * step_ms / 1000, loss, sent) for step, _, loss, sent in curve]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -177,6 +189,23 @@ def best_rows(rows: list[dict]) -> list[dict]:
     return list(best.values())
 
 
+STEP_MS_FIELDS = ["method", "steps", "step_ms"]
+
+
+def measure_step_times(chosen: list[Config], args, path: Path) -> None:
+    """The quiet pass: each config for args.steps steps, one at a time (nothing else should run), its
+    median step time (runs.summarize) into `path` (rows of other methods kept)."""
+    rows = campaign.Campaign(path, STEP_MS_FIELDS, ("method",))
+    for config in chosen:
+        method = config.method
+        out = args.runs_dir / f"quiet{args.steps}" / method.name.replace("/", "_")
+        command = method.command(method.lr, None, 0, out, runs.model_args(args), 2, 2)
+        if rows.attempt(method.name, lambda: campaign.run_local(command, 4, out / "log.txt", args.run_timeout)):
+            rows.add({"method": method.name, "steps": args.steps,
+                      "step_ms": f"{runs.summarize(runs.read_metrics(out)).step_ms:.1f}"})
+    rows.finish("--runs-dir")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=None, help="config names (default: all of configs())")
@@ -190,6 +219,10 @@ def main() -> None:
     parser.add_argument("--run-timeout", type=float, default=7200.0)
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS / "localsteps")
     parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "localsteps.csv")
+    parser.add_argument("--step-times", action="store_true",
+                        help="the quiet pass instead of the campaign: each --configs config (at lr factor 1) for "
+                             "--steps steps alone on the machine, one after another; their median step times go "
+                             "to <csv>_step_ms.csv, from which every row's time to target is computed")
     parser.add_argument("--merge", nargs="+", type=Path, default=[],
                         help="other localsteps CSVs (with their _curves.csv) whose rows join --csv's; runs only the "
                              "--configs given (none by default)")
@@ -214,7 +247,11 @@ def main() -> None:
                 (int(r["step"]), float(r["compute_s"]), float(r["val_loss"]), int(r["replicate_bytes"])))
         return found
 
-    finals = campaign.Campaign(args.csv, FIELDS, KEY, arrange=lambda rows: arrange(rows, curves()))
+    quiet_csv = args.csv.with_name(args.csv.stem + "_step_ms.csv")
+    if args.step_times:
+        return measure_step_times(chosen, args, quiet_csv)
+    step_ms = {r["method"]: float(r["step_ms"]) for r in campaign.read_csv(quiet_csv)} if quiet_csv.exists() else {}
+    finals = campaign.Campaign(args.csv, FIELDS, KEY, arrange=lambda rows: arrange(rows, curves(), step_ms))
     for other in args.merge:
         curves_campaign.add(*campaign.read_csv(other.with_name(other.stem + "_curves.csv")), show=False)
         finals.add(*({field: row.get(field, "") for field in FIELDS} for row in campaign.read_csv(other)), show=False)
