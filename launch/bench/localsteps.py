@@ -85,6 +85,18 @@ def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: f
     return Config(method, inner, H, exchange + (f", block {block}" if block else ""), outer_momentum, OUTER_LR)
 
 
+def streaming_variant(config: Config, overlap: bool, fragments: int) -> Config:
+    """A local-steps config whose exchange runs during the next round (overlap) and/or syncs in `fragments`
+    parts at staggered steps, labelled …_overlap, …_f3."""
+    if not config.H:
+        raise SystemExit(f"--outer-overlap/--fragments: {config.method.name} has no outer loop")
+    suffix = ("_overlap" if overlap else "") + (f"_f{fragments}" if fragments > 1 else "")
+    args = (*config.method.args, *(("--outer-overlap",) if overlap else ()), "--fragments", str(fragments))
+    label = config.exchange + (", overlapped" if overlap else "") + (f", {fragments} fragments" if fragments > 1 else "")
+    return dataclasses.replace(config, method=dataclasses.replace(config.method, name=config.method.name + suffix,
+                                                                  args=args), exchange=label)
+
+
 def outer_variant(config: Config, outer_lr: float, outer_momentum: float) -> Config:
     """A local-steps config with another outer SGD (lr, momentum), labelled e.g. local_muon_H30_int8_olr1_m0."""
     if not config.H:
@@ -215,6 +227,9 @@ def main() -> None:
     parser.add_argument("--outer-lrs", nargs="+", type=float, default=None,
                         help="run each chosen local-steps config at each outer lr (with --outer-momenta)")
     parser.add_argument("--outer-momenta", nargs="+", type=float, default=None, help="(see --outer-lrs)")
+    parser.add_argument("--outer-overlap", action="store_true",
+                        help="the chosen local-steps configs with the exchange one round late (…_overlap)")
+    parser.add_argument("--fragments", type=int, default=1, help="the chosen configs synced in F fragments (…_fF)")
     runs.add_model_arguments(parser)
     parser.add_argument("--run-timeout", type=float, default=7200.0)
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS / "localsteps")
@@ -235,6 +250,8 @@ def main() -> None:
     if args.outer_lrs or args.outer_momenta:
         chosen = [outer_variant(c, lr, m) for c in chosen for lr in args.outer_lrs or [OUTER_LR]
                   for m in args.outer_momenta or [0.6]]
+    if args.outer_overlap or args.fragments > 1:
+        chosen = [streaming_variant(c, args.outer_overlap, args.fragments) for c in chosen]
     model = runs.model_args(args)
     tokens_per_step = args.batch_size * args.block_size * 4
     curves_campaign = campaign.Campaign(args.csv.with_name(args.csv.stem + "_curves.csv"), CURVE_FIELDS,
