@@ -60,6 +60,14 @@ SOURCES = {
                        "shardopt's two replicate groups, × 1 for DDP's ring); x fewer: ddp_adamw's link bytes at the "
                        "same steps over the row's. Time to target (ddp_adamw's final val loss at the same steps) is "
                        "computed: measured compute seconds + link bytes × 8 / rate, no overlap, no latency."),
+    "localsteps_step_ms.csv": (
+        ("python launch/bench/localsteps.py --step-times --steps 30 --eval-every 30 --configs …  "
+         "# (the configs of the README's local-steps table; docs/benchmarks.md)",),
+        "The quiet pass of the local-steps benchmark: each method alone on the machine, 30 steps, one after "
+        "another; its median step time is what localsteps.csv's time to target counts per step."),
+    "overlap_backward.csv": ("python launch/bench/overlap_backward.py --rounds 1 --steps 5 --tokenizer byte",
+                             "Exchange during backward off and on, side by side: step time and the time from the end "
+                             "of backward to the end of step() (2 replicas, one process each, CPU, no link limit)."),
     "scalar_quality.csv": ("python launch/bench/nonmatrix_quality.py",
                            "Lion-vote against AdamW for the non-matrix parameters (BPE-4096: the tied embedding/head "
                            "is 40 % of the 1.3 M parameters; 2 replicas × 2 FSDP2 shards, 200 steps): the best "
@@ -237,7 +245,7 @@ def slowlink_summary(rows: list[dict]) -> str:
 
 
 def localsteps_summary(rows: list[dict]) -> str:
-    """The README's local-steps table: per horizon (steps), the per-step peers, the best (lowest final val
+    """The README's local-steps table: per horizon (steps), ddp_adamw and signmuon_lion (per step), the best (lowest final val
     loss over lrs) DiLoCo, MuLoCo-style and LocalSteps row, and the LocalSteps row with the most x fewer
     bytes among those at or below ddp_adamw's loss (where one is)."""
     lines = ["| steps | method | lr | final val loss | x fewer link bytes per token than DDP fp32 | "
@@ -248,7 +256,7 @@ def localsteps_summary(rows: list[dict]) -> str:
         def best(kind) -> dict | None:
             found = [r for r in mine if kind(r["method"])]
             return min(found, key=lambda r: float(r["final_val_loss"])) if found else None
-        chosen = [best(lambda m, name=name: m == name) for name in ("ddp_adamw", "ddp_muon", "signmuon_lion")]
+        chosen = [best(lambda m, name=name: m == name) for name in ("ddp_adamw", "signmuon_lion")]
         chosen += [best(lambda m, prefix=prefix: m.startswith(prefix)) for prefix in ("diloco", "muloco", "local_")]
         baseline = chosen[0]
         if baseline is not None:
