@@ -59,7 +59,8 @@ SOURCES = {
                        "Link bytes: one node's on the link between the two nodes (one rank's counted bytes × 2 for "
                        "shardopt's two replicate groups, × 1 for DDP's ring); x fewer: ddp_adamw's link bytes at the "
                        "same steps over the row's. Time to target (ddp_adamw's final val loss at the same steps) is "
-                       "computed: measured compute seconds + link bytes × 8 / rate, no overlap, no latency."),
+                       "computed: steps × the method's step time in the quiet pass (localsteps_step_ms.csv) + link bytes × 8 / "
+                       "rate, no overlap, no latency."),
     "localsteps_step_ms.csv": (
         ("python launch/bench/localsteps.py --step-times --steps 30 --eval-every 30 --configs …  "
          "# (the configs of the README's local-steps table; docs/benchmarks.md)",),
@@ -68,6 +69,24 @@ SOURCES = {
     "overlap_backward.csv": ("python launch/bench/overlap_backward.py --rounds 1 --steps 5 --tokenizer byte",
                              "Exchange during backward off and on, side by side: step time and the time from the end "
                              "of backward to the end of step() (2 replicas, one process each, CPU, no link limit)."),
+    "polar_convergence.csv": (
+        ("python launch/bench/convergence.py --methods signmuon_lion --lr-factors 0.5 --seeds 0 1 --ns-steps 1 2 3 5 "
+         "--ns-coefficients quintic --csv results/polar_convergence.csv",
+         "python launch/bench/convergence.py --methods signmuon_lion --lr-factors 0.5 --seeds 0 1 --ns-steps 1 2 3 5 "
+         "--ns-coefficients polar_express --csv results/polar_convergence.csv"),
+        "Sign-Muon + Lion at its best lr (results/convergence_best.csv) with 1, 2, 3 and 5 Newton–Schulz steps "
+        "of each coefficient schedule (`ns_coefficients`: Muon's quintic, Polar Express's per-step quintics), "
+        "the convergence benchmark's 200 steps on 2 × 2 ranks, two seeds. 10 rows ran at ba7c696, 6 at 7d44caa "
+        "(replicate bytes 800 more: the zero-momentum flag bytes of stop 31; the Newton–Schulz code is the same)."),
+    "polar_convergence_best.csv": (
+        "python launch/bench/convergence.py … --csv results/polar_convergence.csv (above)",
+        "Per variant of the table above, the mean, min and max final val loss over its two seeds."),
+    "polar_quality.csv": ("python launch/bench/polar_quality.py",
+                          "The polar step on real momenta of the benchmark GPT (Sign-Muon + Lion, steps 10, 50, 100), "
+                          "whole matrices and the row blocks of 2 FSDP2 shards: the fraction of signs equal to the "
+                          "exact polar factor's (float64 SVD), its relative error, and the fp32 CPU time per call "
+                          "(one thread, all variants interleaved in one run; time_vs_default: over 5 quintic steps "
+                          "on the same shape)."),
     "scalar_quality.csv": ("python launch/bench/nonmatrix_quality.py",
                            "Lion-vote against AdamW for the non-matrix parameters (BPE-4096: the tied embedding/head "
                            "is 40 % of the 1.3 M parameters; 2 replicas × 2 FSDP2 shards, 200 steps): the best "

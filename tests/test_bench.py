@@ -299,6 +299,17 @@ def test_unknown_method_names_are_refused_with_the_known_ones():
         runs.select(runs.methods(64), ["adam"])
 
 
+def test_polar_variant_labels_and_passes_the_newton_schulz_options_and_refuses_other_methods():
+    by_name = {m.name: m for m in runs.methods(128)}
+    variant = runs.polar_variant(by_name["signmuon_lion"], 2, "polar_express")
+    assert variant.name == "signmuon_lion_ns2_polar_express"
+    assert variant.args[-4:] == ("--ns-steps", "2", "--ns-coefficients", "polar_express")
+    assert (variant.lr, variant.scalar_lr) == (by_name["signmuon_lion"].lr, by_name["signmuon_lion"].scalar_lr)
+    for name in ("ddp_adamw", "dion_1/4"):
+        with pytest.raises(SystemExit, match=rf"{name} has no Newton–Schulz step"):
+            runs.polar_variant(by_name[name], 2, "quintic")
+
+
 def test_matrix_conv_is_conv2d_and_its_weight_lands_in_the_matrix_group():
     import shardopt
     from fashion_mnist import CNN, MatrixConv2d
