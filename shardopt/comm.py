@@ -170,8 +170,8 @@ class Axis:
         groups: list = [None] * dist.get_world_size()
         dist.all_gather_object(groups, dist.get_process_group_ranks(self.group))
         distinct = sorted(set(map(tuple, groups)))
-        overlapping = {rank for group in distinct for rank in group}
-        if len(overlapping) != sum(map(len, distinct)):
+        ranks = {rank for group in distinct for rank in group}
+        if len(ranks) != sum(map(len, distinct)):
             raise ValueError(f"the {self.name} axis: the ranks' groups {distinct} overlap; a private copy needs "
                              f"the {self.name} groups of the world to be disjoint (one mesh dimension)")
         mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in distinct], timeout=_group_timeout(self.group))

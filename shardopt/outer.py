@@ -87,8 +87,8 @@ def block_mean_abs(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def spread_blocks(values: torch.Tensor, block: int, n: int) -> torch.Tensor:
-    """A per-block value (nb,) repeated over its block's entries, cut to (n,)."""
-    return values.repeat_interleave(block)[:n]
+    """Per-block values (…, nb) repeated over their blocks' entries, cut to (…, n)."""
+    return values.repeat_interleave(block, dim=-1)[..., :n]
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -268,7 +268,7 @@ class SignMean(OuterFormat):
         sign_bytes = self._sign_bytes(n)
         slots = rows[:, sign_bytes:].contiguous().view(torch.float32)              # (M, blocks + 1)
         positive = unpack_signs(rows[:, :sign_bytes], n)                           # (M, n)
-        decoded = torch.where(positive, 1.0, -1.0) * slots[:, :-FLAG_SLOT].repeat_interleave(self.block, dim=1)[:, :n]
+        decoded = torch.where(positive, 1.0, -1.0) * spread_blocks(slots[:, :-FLAG_SLOT], self.block, n)
         return decoded.sum(dim=0) / replicate.size, own, slots[:, -1].max() > 0
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import campaign
 import runs
+from shardopt.outer import EXCHANGES
 
 FIELDS = ["method", "inner", "H", "exchange", "outer_lr", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
           "final_val_loss", "replicate_bytes_total", "link_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",
@@ -62,7 +63,7 @@ RING_CROSSINGS = 1    # DDP's ring over 4 ranks on 2 nodes: one rank's bytes cro
 BASELINE = "ddp_adamw"
 INNER_LR = {"signmuon": 3e-3, "dion": 0.02, "muon": 0.02, "adamw": 1.5e-3}    # convergence_best.csv's per-step bests
 OUTER_LR = 0.7          # LocalSteps' default (MuLoCo's), momentum 0.6
-EXCHANGES = ("mean", "mean_bf16", "int8", "int4", "sign_vote", "sign_mean", "lowrank")
+DDP_METHODS = {m.name for m in runs.methods(128) if m.script == runs.DDP_TRAIN}   # (128: the benchmark's n_embd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +129,7 @@ def configs(n_embd: int) -> list[Config]:
 def link_factor(method: str) -> int:
     """The bytes one node puts on the link per byte one rank counted: shardopt's RANKS_PER_NODE replicate
     groups each cross it; DDP's ring crosses it once (the ratio slowlink.py measured on the emulated link)."""
-    return RING_CROSSINGS if method in ("ddp_adamw", "ddp_muon") else RANKS_PER_NODE
+    return RING_CROSSINGS if method in DDP_METHODS else RANKS_PER_NODE
 
 
 def arrange(rows: list[dict], curves: dict, step_ms: dict | None = None) -> list[dict]:
