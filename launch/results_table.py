@@ -105,6 +105,21 @@ SOURCES = {
          "sudo python launch/bench/slowlink.py --lr-from results/convergence.csv --rates 100mbit "
          "--methods ddp_adamw signmuon dion_1/4 --csv results/slowlink_4ms_bucket.csv"),
         "The same on the later machine, the token bucket 4 ms of the rate (at least 16 KiB)."),
+    "slowlink_overlap.csv": (
+        ("sudo python launch/bench/slowlink.py --lr-from results/convergence.csv --procs-per-node 1 --rates 100mbit "
+         "--methods ddp_adamw dion_1/4 signmuon signmuon_lion --overlap-backward --csv results/slowlink_overlap.csv",
+         "sudo python launch/bench/slowlink.py --lr-from results/convergence.csv --procs-per-node 1 --rates 100mbit "
+         "10mbit --methods ddp_adamw dion_1/4_lion signmuon_lion --ns-steps 3 --ns-coefficients polar_express "
+         "--overlap-backward --csv results/slowlink_overlap.csv",
+         "sudo python launch/bench/slowlink.py --lr-from results/convergence.csv --procs-per-node 2 --rates 100mbit "
+         "10mbit --methods ddp_adamw signmuon_lion local_muon_H10_sign_mean_b128 --outer-lrs 0.7 --outer-momenta 0 "
+         "--csv results/slowlink_overlap.csv",
+         "… the same with --outer-overlap (--methods ddp_adamw local_muon_H10_sign_mean_b128)"),
+        "The exchange hidden, on two emulated nodes (the 4 ms token bucket), one campaign on one day: with 1 process "
+        "per node the per-step methods with the exchange during backward off and on (…_overlap; bitwise the same "
+        "losses) and Sign-Muon with 3 Polar Express steps (…_ns3_polar_express); with 2, the local-steps config of "
+        "the README (H = 10, sign_mean block 128, outer lr 0.7, momentum 0) with the exchange waited on and one "
+        "round late (…_overlap). Target: `ddp_adamw`'s final val loss without a limit at the same procs per node."),
     "step_memory.csv": ("python launch/bench/step_memory.py --llama1b",
                         "The RSS high-water mark of one step above the steady state, a fresh process per row, one "
                         "thread."),
@@ -248,15 +263,16 @@ def slowlink_table(rows: list[dict]) -> str:
 
 
 def slowlink_summary(rows: list[dict]) -> str:
-    """The README's slow-link table: one line per method, one column per limited rate and process
-    count per node, each cell its time to ddp_adamw's unlimited val loss (time_to_target)."""
+    """The README's slow-link table: one line per method but the …_overlap variants (docs/results.md has
+    them), one column per limited rate and process count per node, each cell its time to ddp_adamw's
+    unlimited val loss (time_to_target)."""
     rates = sorted({float(r["rate_mbit"]) for r in rows} - {INF}, reverse=True)
     columns = [(rate, procs) for rate in rates for procs in dict.fromkeys(r["procs_per_node"] for r in rows)]
     cell = {(r["procs_per_node"], r["method"], float(r["rate_mbit"])): r for r in rows}
     lines = ["| time to ddp_adamw's val loss | " + " | ".join(f"{rate:g} Mbit/s, {procs} per node"
                                                               for rate, procs in columns) + " |",
              "|---|" + "---:|" * len(columns)]
-    for method in dict.fromkeys(r["method"] for r in rows):
+    for method in dict.fromkeys(r["method"] for r in rows if not r["method"].endswith("_overlap")):
         lines.append(f"| {method} | " + " | ".join(time_to_target(cell.get((procs, method, rate)),
                                                                   cell.get((procs, "ddp_adamw", rate)))
                                                    for rate, procs in columns) + " |")
@@ -266,7 +282,7 @@ def slowlink_summary(rows: list[dict]) -> str:
 def localsteps_summary(rows: list[dict]) -> str:
     """The README's local-steps table: per horizon (steps), ddp_adamw and signmuon_lion (per step), the best (lowest final val
     loss over lrs) DiLoCo, MuLoCo-style and LocalSteps row, and the LocalSteps row with the most x fewer
-    bytes among those at or below ddp_adamw's loss (where one is)."""
+    bytes among those at or below ddp_adamw's loss (where one is; of equal bytes, the lowest loss)."""
     lines = ["| steps | method | lr | final val loss | x fewer link bytes per token than DDP fp32 | "
              "time to ddp_adamw's loss at 10 Mbit/s | at 1 Mbit/s |", "|---:|---|---:|---:|---:|---:|---:|"]
     for steps in sorted({int(r["steps"]) for r in rows}):
@@ -281,7 +297,8 @@ def localsteps_summary(rows: list[dict]) -> str:
         if baseline is not None:
             matching = [r for r in mine if r["method"].startswith(("local_", "muloco"))
                         and float(r["final_val_loss"]) <= float(baseline["final_val_loss"])]
-            chosen.append(max(matching, key=lambda r: float(r["x_fewer_bytes"])) if matching else None)
+            chosen.append(max(matching, key=lambda r: (float(r["x_fewer_bytes"]), -float(r["final_val_loss"])))
+                          if matching else None)
         shown = []
         for r in chosen:
             if r is None or r in shown:

@@ -374,3 +374,32 @@ def test_every_fashion_mnist_method_keeps_replicas_equal_and_sends_its_bytes(poo
     assert sent["dion_1/4"] > sent["dion_1/16"] > sent["signmuon"] > 0 and sent["signsgd"] > 0
     assert sent["localsgd"] == 0
     assert 0.5 < sent["powersgd_rank16"] / sent["dion_1/4"] < 2        # the matched rank: comparable bytes
+
+
+def test_overlap_variant_labels_and_passes_the_option_and_refuses_ddp_and_local_methods():
+    by_name = {m.name: m for m in runs.methods(128)}
+    variant = runs.overlap_variant(by_name["dion_1/4"])
+    assert variant.name == "dion_1/4_overlap" and variant.args[-2:] == ("--overlap-backward", "on")
+    assert (variant.lr, variant.scalar_lr) == (by_name["dion_1/4"].lr, by_name["dion_1/4"].scalar_lr)
+    local = {c.method.name: c.method for c in localsteps.configs(128)}
+    for method in (by_name["ddp_adamw"], local["muloco_H30"]):
+        with pytest.raises(SystemExit, match=rf"{method.name} is not one of shardopt's per-step optimizers"):
+            runs.overlap_variant(method)
+
+
+def test_slowlink_catalogue_takes_per_step_and_local_methods_at_the_best_lrs_with_their_variants():
+    _, args = slowlink.parse_arguments(["--methods", "ddp_adamw", "signmuon_lion", "local_muon_H10_sign_mean_b128",
+                                        "--overlap-backward", "--ns-steps", "3", "--ns-coefficients", "polar_express",
+                                        "--outer-lrs", "0.7", "1", "--outer-momenta", "0"])
+    chosen = slowlink.catalogue(args, {"signmuon_lion": (0.01, 0.05)})
+    assert [m.name for m in chosen] == ["ddp_adamw", "signmuon_lion", "signmuon_lion_ns3_polar_express",
+                                        "signmuon_lion_overlap", "signmuon_lion_ns3_polar_express_overlap",
+                                        "local_muon_H10_sign_mean_b128_olr0.7_m0", "local_muon_H10_sign_mean_b128_olr1_m0"]
+    assert [(m.lr, m.scalar_lr) for m in chosen[1:5]] == [(0.01, 0.05)] * 4      # every variant at the same lrs
+    assert chosen[4].args[-4:] == ("--ns-coefficients", "polar_express", "--overlap-backward", "on")
+    assert chosen[5].args[-4:] == ("--outer-lr", "0.7", "--outer-momentum", "0")
+    _, args = slowlink.parse_arguments(["--methods", "dion_1/4", "muloco_H30", "--outer-overlap", "--fragments", "3"])
+    assert [m.name for m in slowlink.catalogue(args, {})] == ["dion_1/4", "muloco_H30_overlap_f3"]
+    _, args = slowlink.parse_arguments(["--methods", "ddp_adamw", "local_adam"])
+    with pytest.raises(SystemExit, match=r"--methods: unknown local_adam; known: ddp_adamw.*muloco_H30"):
+        slowlink.catalogue(args, {})

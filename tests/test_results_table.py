@@ -60,9 +60,10 @@ def test_grid_table_and_slowlink_table_show_the_scalar_lr_with_the_lr():
     assert "| 1 | ddp_adamw | 0.001 (0.03) |" in slow[2]
 
 
-def test_slowlink_summary_has_one_column_per_limited_rate_and_process_count():
+def test_slowlink_summary_has_one_column_per_limited_rate_and_process_count_and_leaves_out_overlap_variants():
     rows = [_row("ddp_adamw", "inf", "20.0"), _row("ddp_adamw", "10", "900.0"), _row("fast", "10", "12.0"),
-            {**_row("ddp_adamw", "10", "1200.0"), "procs_per_node": "2"}, _row("never", "10", "inf")]
+            {**_row("ddp_adamw", "10", "1200.0"), "procs_per_node": "2"}, _row("never", "10", "inf"),
+            _row("fast_overlap", "10", "11.0")]
     lines = results_table.slowlink_summary(rows).splitlines()
     assert lines[0] == "| time to ddp_adamw's val loss | 10 Mbit/s, 1 per node | 10 Mbit/s, 2 per node |"
     assert lines[2:] == ["| ddp_adamw | 900.0 s | 1200.0 s |", "| fast | 12.0 s (1/75.0) | – |",

@@ -45,7 +45,6 @@ import runs
 
 sys.path.insert(0, str(campaign.ROOT / "integrations"))
 import training  # noqa: E402  (integrations/training.py: the renamed option)
-from shardopt.polar import SCHEDULES  # noqa: E402
 
 BEST_FIELDS = ["method", "lr", "scalar_lr", "seeds", "final_val_loss_mean", "final_val_loss_min", "final_val_loss_max",
                "replicate_bytes_total"]
@@ -116,19 +115,14 @@ def main() -> None:
                         help="more seeds, run only at each method's best setting over --seeds (a cheaper second seed)")
     parser.add_argument("--rerun-for-curves", action="store_true",
                         help="run a best setting whose curve is not in the curves CSV again, for the PNG")
-    parser.add_argument("--ns-steps", nargs="+", type=int, default=None,
-                        help="Newton–Schulz steps of each Sign-Muon variant (default: the training script's)")
-    parser.add_argument("--ns-coefficients", nargs="+", choices=tuple(SCHEDULES), default=None,
-                        help="Newton–Schulz schedules of each Sign-Muon variant (default: quintic)")
+    runs.add_polar_arguments(parser)
     runs.add_model_arguments(parser)
     parser.add_argument("--run-timeout", type=float, default=3600.0)
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS, help="one folder per run (reused when finished)")
     parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "convergence.csv")
     args = parser.parse_args()
     chosen = runs.select(runs.methods(args.n_embd), args.methods)
-    if args.ns_steps or args.ns_coefficients:
-        chosen = [runs.polar_variant(method, steps, coefficients) for method in chosen
-                  for coefficients in args.ns_coefficients or ["quintic"] for steps in args.ns_steps or [5]]
+    chosen = runs.polar_variants(chosen, args) or chosen
     model = runs.model_args(args)
     print(f"convergence: vocabulary {args.tokenizer}; 2 × 2 ranks; {args.steps} steps; "
           f"{len(chosen)} methods × {len(args.lr_factors)} lrs × {len(args.nonmatrix_lrs or [None])} scalar lrs × "

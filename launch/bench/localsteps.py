@@ -31,14 +31,16 @@ nothing per step, the whole model's Δ goes through the outer exchange.
                              per horizon
 
 Bytes: what one rank sent on the replicate axis over the whole run, counted by the communication layer
-(train.py) or by counting.py's hooks (train_ddp.py). Time to target is computed, not run through a slow
-link (no network namespaces here): the compute seconds up to the first evaluation at or below the
+(train.py) or by counting.py's hooks (train_ddp.py). Time to target is computed here, for every config of
+the grid (which ran several runs at once on the machine): the compute seconds up to the first evaluation at or below the
 target, plus the link bytes until then × 8 / the link rate (no overlap of exchange and compute, no
 latency). Compute seconds: steps × the method's median step time from the quiet pass (--step-times:
 each method alone on the machine, one after another, results/localsteps_step_ms.csv) where it ran;
 else the run's own step times (compute_s: measured while other runs shared the 2 cores). Link bytes: one rank's counted bytes × 2 for shardopt (each of a node's two ranks exchanges its
 shard with its peer on the other node) and × 1 for DDP (its ring over the 4 ranks crosses each way once),
-the ratios slowlink.py measured on the emulated link. "not reached": the run never got there.
+the ratios slowlink.py measured on the emulated link. "not reached": the run never got there. The chosen
+configs' measured times on the emulated link: slowlink.py --methods <config> (localsteps' configs are among its
+methods; --outer-lrs, --outer-momenta, --outer-overlap and --fragments as here).
 """
 
 from __future__ import annotations
@@ -106,6 +108,26 @@ def outer_variant(config: Config, outer_lr: float, outer_momentum: float) -> Con
                                  args=(*config.method.args, "--outer-lr", f"{outer_lr:g}",
                                        "--outer-momentum", f"{outer_momentum:g}"))
     return dataclasses.replace(config, method=method, outer_lr=outer_lr, outer_momentum=outer_momentum)
+
+
+def add_variant_arguments(parser) -> None:
+    """The options that turn the chosen local-steps configs into their variants (`variants`)."""
+    parser.add_argument("--outer-lrs", nargs="+", type=float, default=None,
+                        help="run each chosen local-steps config at each outer lr (with --outer-momenta)")
+    parser.add_argument("--outer-momenta", nargs="+", type=float, default=None, help="(see --outer-lrs)")
+    parser.add_argument("--outer-overlap", action="store_true",
+                        help="the chosen local-steps configs with the exchange one round late (…_overlap)")
+    parser.add_argument("--fragments", type=int, default=1, help="the chosen configs synced in F fragments (…_fF)")
+
+
+def variants(chosen: list[Config], args) -> list[Config]:
+    """chosen, each at every (--outer-lrs × --outer-momenta), then overlapped / in fragments where asked."""
+    if args.outer_lrs or args.outer_momenta:
+        chosen = [outer_variant(c, lr, m) for c in chosen for lr in args.outer_lrs or [OUTER_LR]
+                  for m in args.outer_momenta or [0.6]]
+    if args.outer_overlap or args.fragments > 1:
+        chosen = [streaming_variant(c, args.outer_overlap, args.fragments) for c in chosen]
+    return chosen
 
 
 def configs(n_embd: int) -> list[Config]:
@@ -194,11 +216,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def best_rows(rows: list[dict]) -> list[dict]:
-    """Per method the row of its lowest final val loss (over lrs and seeds)."""
-    best: dict[str, dict] = {}
+    """Per (method, steps) the row of its lowest final val loss (over lrs and seeds)."""
+    best: dict[tuple, dict] = {}
     for row in rows:
-        if row["method"] not in best or float(row["final_val_loss"]) < float(best[row["method"]]["final_val_loss"]):
-            best[row["method"]] = row
+        key = (row["method"], int(row["steps"]))
+        if key not in best or float(row["final_val_loss"]) < float(best[key]["final_val_loss"]):
+            best[key] = row
     return list(best.values())
 
 
@@ -225,12 +248,7 @@ def main() -> None:
     parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0],
                         help="× each config's lr (the inner lr of the 2-D weights)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--outer-lrs", nargs="+", type=float, default=None,
-                        help="run each chosen local-steps config at each outer lr (with --outer-momenta)")
-    parser.add_argument("--outer-momenta", nargs="+", type=float, default=None, help="(see --outer-lrs)")
-    parser.add_argument("--outer-overlap", action="store_true",
-                        help="the chosen local-steps configs with the exchange one round late (…_overlap)")
-    parser.add_argument("--fragments", type=int, default=1, help="the chosen configs synced in F fragments (…_fF)")
+    add_variant_arguments(parser)
     runs.add_model_arguments(parser)
     parser.add_argument("--run-timeout", type=float, default=7200.0)
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS / "localsteps")
@@ -247,12 +265,8 @@ def main() -> None:
     unknown = [name for name in args.configs or [] if name not in every]
     if unknown:
         raise SystemExit(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(every)}")
-    chosen = [every[name] for name in args.configs] if args.configs else [] if args.merge else list(every.values())
-    if args.outer_lrs or args.outer_momenta:
-        chosen = [outer_variant(c, lr, m) for c in chosen for lr in args.outer_lrs or [OUTER_LR]
-                  for m in args.outer_momenta or [0.6]]
-    if args.outer_overlap or args.fragments > 1:
-        chosen = [streaming_variant(c, args.outer_overlap, args.fragments) for c in chosen]
+    chosen = variants([every[name] for name in args.configs] if args.configs else [] if args.merge
+                      else list(every.values()), args)
     model = runs.model_args(args)
     tokens_per_step = args.batch_size * args.block_size * 4
     curves_campaign = campaign.Campaign(args.csv.with_name(args.csv.stem + "_curves.csv"), CURVE_FIELDS,

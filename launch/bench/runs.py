@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from campaign import BENCH, ROOT, read_csv
+from shardopt.polar import SCHEDULES
 
 FSDP_TRAIN = ROOT / "integrations" / "fsdp" / "train.py"
 DDP_TRAIN = BENCH / "train_ddp.py"
@@ -95,15 +96,43 @@ def methods(n_embd: int) -> list[Method]:
     ]
 
 
+def newton_schulz_optimizer(method: Method) -> bool:
+    """Whether `method` runs one of shardopt's optimizers with a Newton–Schulz step (Sign-Muon, Muon)."""
+    return "--optimizer" in method.args and method.args[method.args.index("--optimizer") + 1] in ("signmuon", "muon")
+
+
 def polar_variant(method: Method, ns_steps: int, coefficients: str) -> Method:
     """`method` (one of Sign-Muon's or Muon's) with `ns_steps` Newton–Schulz steps of the `coefficients`
     schedule (shardopt/polar.py), labelled e.g. signmuon_lion_ns2_polar_express."""
-    optimizer = method.args[method.args.index("--optimizer") + 1] if "--optimizer" in method.args else None
-    if optimizer not in ("signmuon", "muon"):
+    if not newton_schulz_optimizer(method):
         raise SystemExit(f"--ns-steps/--ns-coefficients: {method.name} has no Newton–Schulz step of shardopt's "
                          f"(choose signmuon methods)")
     return dataclasses.replace(method, name=f"{method.name}_ns{ns_steps}_{coefficients}",
                                args=(*method.args, "--ns-steps", str(ns_steps), "--ns-coefficients", coefficients))
+
+
+def add_polar_arguments(parser) -> None:
+    """--ns-steps and --ns-coefficients: the Newton–Schulz variants `polar_variants` makes."""
+    parser.add_argument("--ns-steps", nargs="+", type=int, default=None,
+                        help="Newton–Schulz steps of each Sign-Muon variant (default: the training script's)")
+    parser.add_argument("--ns-coefficients", nargs="+", choices=tuple(SCHEDULES), default=None,
+                        help="Newton–Schulz schedules of each Sign-Muon variant (default: quintic)")
+
+
+def polar_variants(chosen: list[Method], args) -> list[Method]:
+    """Each of `chosen` once per (--ns-coefficients, --ns-steps) (polar_variant); [] where neither is given."""
+    if not (args.ns_steps or args.ns_coefficients):
+        return []
+    return [polar_variant(method, steps, coefficients) for method in chosen
+            for coefficients in args.ns_coefficients or ["quintic"] for steps in args.ns_steps or [5]]
+
+
+def overlap_variant(method: Method) -> Method:
+    """`method` (one of shardopt's per-step optimizers) with each bucket's exchange started during backward
+    (--overlap-backward on, docs/design.md §12), labelled e.g. dion_1/4_overlap."""
+    if method.script != FSDP_TRAIN or "--local-steps" in method.args:
+        raise SystemExit(f"--overlap-backward: {method.name} is not one of shardopt's per-step optimizers")
+    return dataclasses.replace(method, name=f"{method.name}_overlap", args=(*method.args, "--overlap-backward", "on"))
 
 
 def select(all_methods: list[Method], names: list[str] | None) -> list[Method]:

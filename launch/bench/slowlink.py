@@ -3,6 +3,10 @@
     sudo python launch/bench/slowlink.py                       # the full campaign → results/slowlink.csv + .png
     sudo python launch/bench/slowlink.py --rates 100mbit --procs-per-node 1 --steps 20 \\
         --methods ddp_adamw signmuon --csv results/slowlink_smoke.csv     # a reduced-scale check
+    sudo python launch/bench/slowlink.py --procs-per-node 1 --rates 100mbit --methods ddp_adamw dion_1/4 \
+        --overlap-backward --ns-steps 3 --ns-coefficients polar_express   # + …_overlap, …_ns3_polar_express
+    sudo python launch/bench/slowlink.py --procs-per-node 2 --rates 10mbit --methods ddp_adamw \
+        local_muon_H10_sign_mean_b128 --outer-lrs 0.7 --outer-momenta 0 --outer-overlap   # a local-steps config
 
 Needs root (network namespaces), iproute2 and the prepared data (python integrations/data.py).
 For each procs-per-node P: first `ddp_adamw` runs on this machine without a link limit (2·P ranks,
@@ -31,6 +35,11 @@ methods on a (replicate 2, shard P) mesh, the DDP ones on 2·P ranks. Columns (r
                               ≤ the target; inf when not reached
     final_val_loss
 
+--methods takes runs.methods' names and localsteps.py's local-steps configs (made into their variants by
+--outer-lrs, --outer-momenta, --outer-overlap, --fragments as there). --overlap-backward adds each chosen
+shardopt per-step method with the exchange started during backward, --ns-steps / --ns-coefficients each chosen
+Sign-Muon method with that Newton–Schulz step, both at the method's lrs.
+
 Vocabulary: --tokenizer bpe (default; BPE-4096 of integrations/data.py --tokenizer bpe) or byte (256);
 the runs print it. Methods with "_lion" use shardopt's 1-bit Lion vote for the embeddings and norms
 instead of AdamW with a full-precision mean. The namespaces are always deleted at the end (also on
@@ -47,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -55,6 +65,7 @@ import subprocess
 from pathlib import Path
 
 import campaign
+import localsteps
 import runs
 from convergence import best_table
 
@@ -173,12 +184,43 @@ def split_superseded(rows: list[dict], settings: dict[str, tuple[float, float | 
     return kept, superseded
 
 
-def main() -> None:
+def at_settings(methods: list[runs.Method], settings: dict[str, tuple[float, float | None]]) -> list[runs.Method]:
+    """Each method at its (lr, scalar lr) in `settings` where it has one."""
+    return [dataclasses.replace(m, lr=settings[m.name][0], scalar_lr=settings[m.name][1]) if m.name in settings
+            else m for m in methods]
+
+
+def catalogue(args, settings: dict[str, tuple[float, float | None]]) -> list[runs.Method]:
+    """The methods --methods names (default: every per-step one), each at its (lr, scalar lr) in `settings`
+    where it has one: runs.methods' (and, at the same lrs, the Sign-Muon ones also as --ns-steps and
+    --ns-coefficients make them, then with --overlap-backward shardopt's also overlapped), localsteps.py's configs as --outer-lrs, --outer-momenta, --outer-overlap and --fragments make them
+    (localsteps.variants)."""
+    per_step = at_settings(runs.methods(args.n_embd), settings)
+    local = {c.method.name: c for c in localsteps.configs(args.n_embd) if c.H}
+    names = args.methods or [m.name for m in per_step]
+    unknown = [n for n in names if n not in local and n not in {m.name for m in per_step}]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(m.name for m in per_step)}, "
+                         f"and localsteps.py's configs ({', '.join(local)})")
+    chosen = runs.select(per_step, [n for n in names if n not in local])
+    chosen += runs.polar_variants([m for m in chosen if runs.newton_schulz_optimizer(m)], args)
+    if args.overlap_backward:
+        chosen += [runs.overlap_variant(m) for m in chosen if m.script == runs.FSDP_TRAIN]
+    return chosen + [c.method for c in localsteps.variants([local[n] for n in names if n in local], args)]
+
+
+def parse_arguments(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command line (argv None: sys.argv's) and its parser, for the errors found after parsing."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="*", default=["1gbit", "100mbit", "10mbit"],
                         help="tc rates of the link (none: only the runs without a limit)")
     parser.add_argument("--procs-per-node", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--methods", nargs="+", default=None, help="labels (default: all)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="labels (default: all per-step methods): runs.methods' and localsteps.py's configs")
+    parser.add_argument("--overlap-backward", action="store_true",
+                        help="shardopt's per-step methods chosen also with --overlap-backward on (…_overlap)")
+    runs.add_polar_arguments(parser)
+    localsteps.add_variant_arguments(parser)
     parser.add_argument("--lr-from", type=Path, default=None,
                         help="a convergence CSV: each method at its best (lr, scalar lr) there (default: its defaults)")
     runs.add_model_arguments(parser)
@@ -190,14 +232,20 @@ def main() -> None:
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     parser.add_argument("--work-dir", type=Path, default=campaign.ROOT / "runs" / "slowlink")
     parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "slowlink.csv")
-    args = parser.parse_args()
+    return parser, parser.parse_args(argv)
+
+
+def main() -> None:
+    parser, args = parse_arguments()
     if os.geteuid() != 0:
         parser.error("network namespaces need root; run with sudo (or as root)")
     rates = {rate: rate_mbit(rate) for rate in args.rates}
-    chosen = runs.select(runs.methods(args.n_embd), args.methods)
-    baseline = runs.select(runs.methods(args.n_embd), ["ddp_adamw"])[0]
-    names = [m.name for m in runs.methods(args.n_embd)]
     settings = best_settings(args.lr_from) if args.lr_from else {}
+    chosen = catalogue(args, settings)
+    if settings:
+        settings |= {m.name: (m.lr, m.scalar_lr) for m in chosen}
+    baseline = at_settings(runs.select(runs.methods(args.n_embd), ["ddp_adamw"]), settings)[0]
+    names = list(dict.fromkeys([m.name for m in runs.methods(args.n_embd)] + [m.name for m in chosen]))
     model = runs.model_args(args)
     prefix = os.environ.get("NETNS_PREFIX", "bench")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))   # so `finally` tears down
@@ -216,7 +264,7 @@ def main() -> None:
         """One run (rate None: on this machine, no link limit) → its row; None where it failed."""
         mbit = rates[rate] if rate else math.inf
         out = run_dir(args.work_dir, procs, mbit, method.name)
-        lr, scalar_lr = settings.get(method.name, (method.lr, method.scalar_lr))
+        lr, scalar_lr = method.lr, method.scalar_lr
         argv = method.command(lr, scalar_lr, args.seed, out, model, 2, procs)
 
         def start() -> None:
