@@ -45,3 +45,17 @@ def scenarios(request, tmp_path_factory):
     """The two ranks' results of tests/<SCENARIOS>.py under torchrun (SCENARIOS: a name the test module sets)."""
     from two_processes import run_scenarios
     return run_scenarios(request.module.SCENARIOS, tmp_path_factory.mktemp(request.module.SCENARIOS))
+
+
+@pytest.fixture(scope="session")
+def deepspeed_cpu_ops():
+    """DeepSpeed's CPU accelerator compiles a small C++ op (its shared-memory comm) at the first deepspeed.comm
+    init: about a minute on 2 cores, then cached in TORCH_EXTENSIONS_DIR. Built here, once, in the test process
+    before a module's worker pool forks (a session fixture comes before module ones), so that no test's
+    wall-clock bound pays for the compile on a fresh machine. Nothing to build where the accelerator has no
+    such op."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops import __compatible_ops__
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and __compatible_ops__.get(builder.NAME, False):
+        builder.load()

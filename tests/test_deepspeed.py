@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # DeepSpeed's CPU accelerator builds a small C++ op once (about a minute); keep it in the git-ignored cache.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 deepspeed = pytest.importorskip("deepspeed")  # imported before the pool forks: the workers inherit it
+pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")   # the CPU op compiled before the pool forks
 
 import shardopt  # noqa: E402
 import shardopt.deepspeed as sds  # noqa: E402

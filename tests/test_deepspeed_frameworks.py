@@ -27,6 +27,7 @@ if missing:
     pytest.skip(f"{' and '.join(missing)} not installed (pip install 'shardopt[deepspeed,hf]')", allow_module_level=True)
 
 import deepspeed  # noqa: E402  (imported before the pool forks: the workers inherit it)
+pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")   # the CPU op compiled before the pool forks
 import transformers  # noqa: E402,F401
 
 import shardopt.deepspeed as sds  # noqa: E402

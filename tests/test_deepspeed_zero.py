@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 deepspeed = pytest.importorskip("deepspeed")  # imported before the pool forks: the workers inherit it
+pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")   # the CPU op compiled before the pool forks
 
 import shardopt.deepspeed as sds  # noqa: E402
 from shardopt import traffic  # noqa: E402
