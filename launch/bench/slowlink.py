@@ -3,9 +3,9 @@
     sudo python launch/bench/slowlink.py                       # the full campaign → results/slowlink.csv + .png
     sudo python launch/bench/slowlink.py --rates 100mbit --procs-per-node 1 --steps 20 \\
         --methods ddp_adamw signmuon --csv results/slowlink_smoke.csv     # a reduced-scale check
-    sudo python launch/bench/slowlink.py --procs-per-node 1 --rates 100mbit --methods ddp_adamw dion_1/4 \
+    sudo python launch/bench/slowlink.py --procs-per-node 1 --rates 100mbit --methods ddp_adamw dion_1/4 \\
         --overlap-backward --ns-steps 3 --ns-coefficients polar_express   # + …_overlap, …_ns3_polar_express
-    sudo python launch/bench/slowlink.py --procs-per-node 2 --rates 10mbit --methods ddp_adamw \
+    sudo python launch/bench/slowlink.py --procs-per-node 2 --rates 10mbit --methods ddp_adamw \\
         local_muon_H10_sign_mean_b128 --outer-lrs 0.7 --outer-momenta 0 --outer-overlap   # a local-steps config
 
 Needs root (network namespaces), iproute2 and the prepared data (python integrations/data.py).
@@ -193,8 +193,8 @@ def at_settings(methods: list[runs.Method], settings: dict[str, tuple[float, flo
 def catalogue(args, settings: dict[str, tuple[float, float | None]]) -> list[runs.Method]:
     """The methods --methods names (default: every per-step one), each at its (lr, scalar lr) in `settings`
     where it has one: runs.methods' (and, at the same lrs, the Sign-Muon ones also as --ns-steps and
-    --ns-coefficients make them, then with --overlap-backward shardopt's also overlapped), localsteps.py's configs as --outer-lrs, --outer-momenta, --outer-overlap and --fragments make them
-    (localsteps.variants)."""
+    --ns-coefficients make them, then with --overlap-backward shardopt's also overlapped), localsteps.py's
+    configs as --outer-lrs, --outer-momenta, --outer-overlap and --fragments make them (localsteps.variants)."""
     per_step = at_settings(runs.methods(args.n_embd), settings)
     local = {c.method.name: c for c in localsteps.configs(args.n_embd) if c.H}
     names = args.methods or [m.name for m in per_step]
