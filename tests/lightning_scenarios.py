@@ -14,7 +14,6 @@ optimizer steps, accumulate_grad_batches=2, a checkpoint at each epoch end:
 Each rank writes its measurements to $SHARDOPT_TEST_OUT/result-<rank>.json.
 """
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import shardopt
 from shardopt.lightning import ShardoptCallback
+from two_processes import finish
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
 from model import GPT, GPTConfig  # noqa: E402
@@ -177,6 +177,4 @@ def refused():
 if __name__ == "__main__":
     result = {"ddp": train_and_resume(), "fsdp2": train_and_resume("fsdp"), "hsdp": train_and_resume("hsdp"),
               "refused": refused()}
-    (OUT / f"result-{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()   # gloo can abort a process that exits with its group alive
+    finish(OUT / f"result-{dist.get_rank()}.json", result)

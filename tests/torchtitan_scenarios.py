@@ -20,7 +20,6 @@ CheckpointManager.Config(…).build(…):
 Each rank writes its measurements to $SHARDOPT_TEST_OUT/result-<rank>.json.
 """
 
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.model_spec import ModelSpec
 
 from shardopt.torchtitan import ShardoptOptimizersContainer, shard_only, use_shardopt
+from two_processes import finish
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
 from model import GPT, GPTConfig  # noqa: E402
@@ -230,6 +230,4 @@ if __name__ == "__main__":
     dims = ParallelDims.from_config(trainer_config().parallelism, world_size=dist.get_world_size())
     dims.build_mesh()
     result = {"hsdp": hsdp(dims), "patterns": patterns(dims), "refused": refused(dims)}
-    (OUT / f"result-{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()   # gloo can abort a process that exits with its group alive
+    finish(OUT / f"result-{dist.get_rank()}.json", result)

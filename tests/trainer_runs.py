@@ -7,7 +7,6 @@ built is then inspected here. `hf` also trains N steps straight and N/2 + resume
 optimizers=(opt, scheduler). Each rank writes OUT_DIR/result_<rank>.json for the test to check.
 """
 
-import json
 import os
 import runpy
 import sys
@@ -19,6 +18,7 @@ import shardopt
 from shardopt.frameworks import shardopt_optimizer
 from shardopt.guard import bit_hash
 from shardopt.hf import ShardoptCallback
+from two_processes import finish
 
 STEPS = 6   # the straight run; the resumed one restarts from the checkpoint at STEPS // 2
 
@@ -177,7 +177,4 @@ def weights_hash(model) -> int:
 if __name__ == "__main__":
     scenario, block, out = sys.argv[1:]
     result = {"hf": hf, "accelerate": accelerate}[scenario](block, out)
-    with open(os.path.join(out, f"result_{dist.get_rank()}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()   # gloo can abort a process that exits with its group alive
+    finish(os.path.join(out, f"result_{dist.get_rank()}.json"), result)

@@ -36,6 +36,24 @@ def run_scenarios(name: str, directory) -> list[dict]:
     return [json.loads((Path(directory) / f"result-{rank}.json").read_text()) for rank in range(2)]
 
 
+def finish(path, result: dict) -> None:
+    """The end of a scenario script on each rank: `result` written to `path` as JSON, the ranks met at a
+    barrier, the groups destroyed, and the process ended without interpreter teardown (os._exit).
+    Why the last: gloo's worker threads keep their last work item, with its tensors, alive; a group a
+    framework object still holds outlives destroy_process_group, and freeing those tensors during
+    interpreter finalization can abort the process with SIGABRT ("terminate called without an active
+    exception") after its work is done and written (pytorch/pytorch#179291; seen once in CI, at exit of
+    tests/lightning_scenarios.py, after both result files were complete)."""
+    import json
+    import torch.distributed as dist
+    Path(path).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def check_exchange(run: dict, steps: int, saved_after: int) -> None:
     """A scenario's 2-replica run with Sign-Muon + Lion-vote: `steps` steps, each sending ≤ 1/25 of an fp32
     all-reduce of all params on the replicate axis (comm_stats; the step after the first save also carries
