@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save, save_file
 from .placement import local
 
 FORMAT = "shardopt-optimizer-state/1"
+TENSORS_FORMAT = "shardopt-tensors/1"
 
 
 def _digest(tensor: torch.Tensor) -> str:
@@ -34,6 +35,28 @@ def _digest(tensor: torch.Tensor) -> str:
 
 def _hyperparameters(optimizer) -> list[dict]:
     return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def _write_atomically(tensors: dict, path, metadata: dict) -> None:
+    """safetensors file at `path`: a temp file in the same directory, fsync, rename, fsync of the directory."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=directory)
+    os.close(handle)
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def save_optimizer_state(optimizer, path: str | os.PathLike) -> None:
@@ -55,37 +78,51 @@ def save_optimizer_state(optimizer, path: str | os.PathLike) -> None:
         "step": str(int(max(steps)) if steps else 0),
         "sha256": json.dumps({name: _digest(t) for name, t in tensors.items()}),
     }
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=directory)
-    os.close(handle)
-    try:
-        save_file(tensors, temporary, metadata=metadata)
-        with open(temporary, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _write_atomically(tensors, path, metadata)
 
 
-def read_metadata(path: str | os.PathLike) -> dict:
-    """The metadata of an optimizer-state file (raises ValueError if it is not one)."""
+def save_tensors(tensors: list[torch.Tensor], path: str | os.PathLike) -> None:
+    """This rank's local pieces of `tensors` (e.g. one replica's params between two syncs) as
+    "tensor.<i>", atomically, with a SHA-256 of each; `load_tensors` reads them back into the same list."""
+    pieces = {f"tensor.{i}": local(t).detach().cpu().contiguous() for i, t in enumerate(tensors)}
+    _write_atomically(pieces, path, {"format": TENSORS_FORMAT, "count": str(len(pieces)),
+                                     "sha256": json.dumps({name: _digest(t) for name, t in pieces.items()})})
+
+
+def load_tensors(tensors: list[torch.Tensor], path: str | os.PathLike) -> None:
+    """Copy what save_tensors wrote into `tensors` (their local pieces, in place), after every check:
+    format, count, each tensor's dtype, shape and SHA-256; nothing is written unless all fit."""
+    metadata = read_metadata(path, TENSORS_FORMAT)
+    try:
+        pieces = load_file(os.fspath(path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path} could not be read ({error}); it may be truncated or corrupt") from error
+    if int(metadata["count"]) != len(tensors) or len(pieces) != len(tensors):
+        raise ValueError(f"{path} holds {metadata['count']} tensors, {len(tensors)} are to be loaded")
+    digests = json.loads(metadata["sha256"])
+    for i, tensor in enumerate(tensors):
+        piece, name = pieces.get(f"tensor.{i}"), f"tensor.{i}"
+        if piece is None or _digest(piece) != digests.get(name):
+            raise ValueError(f"{path}: tensor {name!r} is missing or fails its SHA-256 check; the file is corrupt")
+        if piece.dtype != local(tensor).dtype or piece.shape != local(tensor).shape:
+            raise ValueError(f"{path}: tensor {name!r} is {piece.dtype} {tuple(piece.shape)}, this rank holds "
+                             f"{local(tensor).dtype} {tuple(local(tensor).shape)}")
+    with torch.no_grad():
+        for i, tensor in enumerate(tensors):
+            local(tensor).copy_(pieces[f"tensor.{i}"])
+
+
+def read_metadata(path: str | os.PathLike, expected_format: str = FORMAT) -> dict:
+    """The metadata of a file written here (raises ValueError if it is not one of `expected_format`)."""
     from safetensors import safe_open
     try:
         with safe_open(os.fspath(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
     except (SafetensorError, OSError) as error:
         raise ValueError(f"{path} is not a readable safetensors file ({error}); it may be truncated or corrupt") from error
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a shardopt optimizer-state file (format {metadata.get('format')!r}, "
-                         f"expected {FORMAT!r})")
+    if metadata.get("format") != expected_format:
+        raise ValueError(f"{path} is not a shardopt {'optimizer-state' if expected_format == FORMAT else 'tensors'} "
+                         f"file (format {metadata.get('format')!r}, expected {expected_format!r})")
     return metadata
 
 

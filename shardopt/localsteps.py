@@ -287,16 +287,36 @@ class LocalSteps(torch.optim.Optimizer):
         self._init_state()
         with torch.enable_grad():
             loss = self.inner.step(closure)
+        self._count_step()
+        return loss
+
+    @torch.no_grad()
+    def skip_step(self) -> None:
+        """A step whose inner step someone else skipped (DeepSpeed's fp16/bf16 wrapper on an overflow): it
+        counts towards the round as step() does, and the syncs due at it run (every replica must reach
+        each sync at the same step, whatever its own inner steps did)."""
+        self._init_state()
+        self._count_step()
+
+    def _count_step(self) -> None:
         self.steps += 1
         for fragment in sorted(self._in_flight):
             self._advance(fragment)
         for fragment in range(self.fragments):
             if self.steps % self.sync_every == sync_offset(fragment, self.fragments, self.sync_every):
                 self._sync(fragment, self._fragment_params(fragment))
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
+
+    def replace_params(self, pairs) -> None:
+        """Each (old, new): `new` takes `old`'s outer state, and the inner optimizer's (its own
+        replace_params, where it has one): DeepSpeed's fp32 master copies stand in for the params."""
+        for old, new in pairs:
+            if old in self.state:
+                self.state[new] = self.state.pop(old)
+        if hasattr(self.inner, "replace_params"):
+            self.inner.replace_params(pairs)
 
     def add_param_group(self, param_group: dict) -> None:
         self.inner.add_param_group(param_group)

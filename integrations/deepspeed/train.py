@@ -9,8 +9,9 @@
 
 Configs: dion_bf16.json, signmuon_bf16.json, signmuon_fp16.json (shardopt: the
 engine's gradient all-reduce is off and the optimizer exchanges low-rank factors
-or 1-bit votes itself) and adamw.json (the baseline: DeepSpeed's full-precision
-all-reduce). `shardopt.deepspeed.initialize` reads the config's "optimizer"
+or 1-bit votes itself), signmuon_local_steps_bf16.json (Sign-Muon inside local
+steps: the replicas sync every 10 steps) and adamw.json (the baseline: DeepSpeed's
+full-precision all-reduce). `shardopt.deepspeed.initialize` reads the config's "optimizer"
 section and hands every other optimizer type to deepspeed.initialize unchanged.
 
 Each step prints the loss (mean over ranks) and the bytes this rank sent on the
@@ -102,7 +103,10 @@ def main():
         total = optimizer.comm_stats()["replicate"]["bytes_sent"] if optimizer else allreduce_bytes * args.steps
         print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f} s, {total:,} B sent on the data-parallel axis"
               f" ({total / (allreduce_bytes * args.steps):.3f} of an fp32 all-reduce)")
-    consistent = optimizer is None or optimizer.replicas_consistent()
+    # local steps: the replicas' weights agree right after a sync of the whole model (with overlap, θ_outer always)
+    between_syncs = isinstance(optimizer, shardopt.LocalSteps) and not optimizer.overlap and (
+        optimizer.fragments > 1 or optimizer.steps % optimizer.sync_every)
+    consistent = optimizer is None or between_syncs or optimizer.replicas_consistent()
     del optimizer
     dist.barrier()
     shardopt.deepspeed.shutdown(engine)                # engine, then every process group, before the interpreter exits

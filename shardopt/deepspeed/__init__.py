@@ -24,6 +24,8 @@ outside them). An optional top-level "shardopt" section:
                  "mesh": {"replicate": R, "shard": S},   data-parallel ranks as R nodes × S ranks
                  "scale_scheduler_lr": true,        a WarmupLR-type scheduler's lr is the matrix group's;
                                                     the other groups get it scaled to their own lr
+                 "local_steps": {"sync_every": H, ...},   shardopt.LocalSteps' keyword arguments: the
+                                                    replicas sync every H steps (ZeRO stage 0)
                  "verbose": true}                   print the groups on rank 0
 
 Code that calls deepspeed.initialize itself (HF Trainer with a DeepSpeed config, Accelerate's
@@ -75,6 +77,14 @@ What the plugin changes in the engine, and why:
   momenta (docs/design.md §6), so the one optimizer state DeepSpeed writes (data-parallel
   rank 0) holds for every replica. At ZeRO 1/2 every rank also writes and reads
   its own partition next to DeepSpeed's files (wiring.py).
+- Local steps ("local_steps", docs/design.md §10): the Dion / Sign-Muon is built without a replicate
+  axis and wrapped in a DeepSpeedLocalSteps over the replicate group (the data-parallel group, or the
+  mesh's replicate axis: then the node's gradients are averaged inside it every step); inner steps send
+  nothing across the replicas, not even the overflow flag, so an fp16/bf16 overflow skips that replica's
+  inner step alone (the step still counts towards the round). The replicas differ between syncs, so
+  engine.save_checkpoint also writes every rank's own optimizer state and params, read back by
+  engine.load_checkpoint (a resume mid-round continues bit-exact). ZeRO 1/2 are refused with it: every
+  rank of a node holds the whole model after the step and would send the whole pseudo-gradient across.
 - Bytes: `shard_optimizer(engine).comm_stats()` per axis: "replicate" (across nodes)
   and "node" (ZeRO 1/2 inside a node). "shard" also reports the node's bytes until the
   next release (the node axis's former name): read "node".

@@ -11,11 +11,14 @@ import warnings
 from dataclasses import dataclass, field
 
 from ..groups import param_groups
+from ..localsteps import LocalSteps
 from ..optimizer import Dion, ShardOptimizer, SignMuon
 from .optimizers import OPTIMIZERS
 
 SHARDOPT_SECTION_KEYS = ("nonmatrix_algorithm", "nonmatrix_names", "head_names", "nonmatrix", "matrix", "verbose",
-                         "mesh", "scale_scheduler_lr")
+                         "mesh", "scale_scheduler_lr", "local_steps")
+# LocalSteps' keyword arguments the plugin fills in itself (the others come from "shardopt": {"local_steps": ...})
+LOCAL_STEPS_FILLED = ("self", "inner", "replicate_mesh", "model")
 # the "shardopt" section's keys before 0.3 (still read, with a DeprecationWarning) → their names now
 DEPRECATED_SECTION_KEYS = {"scalar_algorithm": "nonmatrix_algorithm", "scalar_names": "nonmatrix_names",
                            "scalar": "nonmatrix"}
@@ -43,7 +46,8 @@ FSDP2_HINT = ("use shardopt with FSDP2 HSDP instead: fully_shard(model, mesh=mes
 class Plan:
     """What the plugin does for one config: the optimizer class and its keyword arguments, the
     "shardopt" section, the clipping it takes over, the ZeRO stage it runs itself (DeepSpeed is
-    given stage 0) and the (replicate, shard) mesh (None: every data-parallel rank is a replica)."""
+    given stage 0), the (replicate, shard) mesh (None: every data-parallel rank is a replica) and
+    LocalSteps' keyword arguments (None: the optimizer exchanges every step)."""
 
     cls: type
     name: str
@@ -53,6 +57,7 @@ class Plan:
     zero_stage: int
     reduce_bucket_size: int
     mesh: tuple[int, int] | None
+    local_steps: dict | None = None
     scheduler: dict | None = None
     engine_config: dict = field(default_factory=dict)
 
@@ -103,7 +108,8 @@ def plan(config: dict, model=None, mpu=None, *, fp16_supported=None) -> Plan | N
                 section=section, max_grad_norm=config.get("gradient_clipping", 0.0) or 0.0, zero_stage=stage,
                 reduce_bucket_size=_positive_int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE),
                                                  "zero_optimization.reduce_bucket_size"),
-                mesh=_mesh(section.get("mesh"), stage), scheduler=config.get("scheduler"), engine_config=engine_config)
+                mesh=_mesh(section.get("mesh"), stage), local_steps=_local_steps(section.get("local_steps"), stage, name),
+                scheduler=config.get("scheduler"), engine_config=engine_config)
 
 
 def _positive_int(value, name: str) -> int:
@@ -151,6 +157,31 @@ def _mesh(mesh, stage: int) -> tuple[int, int] | None:
         raise ValueError(f"\"shardopt\": {{\"mesh\": ...}} must be {{\"replicate\": R, \"shard\": S}} with positive "
                          f"integers R·S = the data-parallel world size, got {mesh!r}")
     return mesh["replicate"], mesh["shard"]
+
+
+def _local_steps(options, stage: int, name: str) -> dict | None:
+    """LocalSteps' keyword arguments from "shardopt": {"local_steps": {"sync_every": H, ...}} (checked by
+    name here, by value when LocalSteps is built). Stage 0 only: see the refusal's message."""
+    if options is None:
+        return None
+    allowed = [n for n in inspect.signature(LocalSteps.__init__).parameters if n not in LOCAL_STEPS_FILLED]
+    if not isinstance(options, dict) or "sync_every" not in options:
+        raise ValueError(f"\"shardopt\": {{\"local_steps\": ...}} must be a dict with \"sync_every\": H (inner steps "
+                         f"per round) and any of {', '.join(allowed)}; got {options!r}")
+    unknown = [key for key in options if key not in allowed]
+    if unknown:
+        raise ValueError(f"\"shardopt\": {{\"local_steps\": ...}} has unknown key(s) {', '.join(map(repr, unknown))}; "
+                         f"allowed: {', '.join(allowed)}")
+    if stage != 0:
+        raise ValueError(f"\"shardopt\": {{\"local_steps\": ...}} runs with zero_optimization.stage 0, and the config "
+                         f"sets stage {stage}. At ZeRO 1/2 every rank of a node holds the whole model after the "
+                         f"step, so each would send the whole pseudo-gradient across the nodes (the node's link "
+                         f"bytes × its ranks) and keep a whole θ_outer: use stage 0 with \"mesh\" (the node's "
+                         f"gradients averaged inside it at full precision, one replica per node), or FSDP2, which "
+                         f"shards the model and θ_outer inside a node: fully_shard(model, mesh=mesh['shard']), "
+                         f"{name}(..., shard_mesh=mesh['shard']) wrapped in shardopt.LocalSteps(..., "
+                         f"replicate_mesh=mesh['replicate']) (integrations/fsdp/train.py --local-steps H)")
+    return dict(options)
 
 
 def _optimizer_options(cls, params: dict, name: str) -> dict:

@@ -15,6 +15,7 @@ from ..groups import describe_groups
 from ..optimizer import ShardOptimizer
 from . import internals, registration
 from .config import Plan, build_param_groups, check_scheduler, load_config, plan, read_config, scale_scheduler_lrs
+from .optimizers import DeepSpeedLocalSteps, engine_side
 from .wiring import EngineWiring
 from .zero import mesh_shape
 
@@ -76,7 +77,7 @@ def engine_config(config) -> dict:
     return the_plan.engine_config
 
 
-def client_optimizer(model, config, model_parameters=None) -> ShardOptimizer:
+def client_optimizer(model, config, model_parameters=None) -> ShardOptimizer | DeepSpeedLocalSteps:
     """The shardopt optimizer the config asks for, built on `model`'s parameters, to hand to code that
     calls deepspeed.initialize itself (accelerator.prepare(model, optimizer, ...)); after that call
     `attach(engine)`. Before deepspeed.comm is up (e.g. before the Accelerator exists) it starts it as
@@ -92,13 +93,13 @@ def client_optimizer(model, config, model_parameters=None) -> ShardOptimizer:
     return _build(the_plan, model, model_parameters, check_lr_scheduler=True)
 
 
-def attach(engine) -> ShardOptimizer:
+def attach(engine) -> ShardOptimizer | DeepSpeedLocalSteps:
     """Wire an engine that someone else built around a `client_optimizer` (the engine's gradient
     all-reduce off, fp16/bf16 master copies, agreed overflow, ZeRO 1/2). Returns the shardopt optimizer.
     With Accelerate: engine = model after accelerator.prepare (a DeepSpeedEngine)."""
     internals.load()
     optimizer = shard_optimizer(engine)
-    if optimizer.wiring is not None:
+    if engine_side(optimizer).wiring is not None:
         return optimizer
     if engine.zero_optimization_stage() != 0 or engine.gradient_clipping() != 0:
         raise ValueError(f"DeepSpeed was given ZeRO stage {engine.zero_optimization_stage()} and gradient_clipping "
@@ -108,20 +109,22 @@ def attach(engine) -> ShardOptimizer:
     return optimizer
 
 
-def detach(engine) -> ShardOptimizer:
+def detach(engine) -> ShardOptimizer | DeepSpeedLocalSteps:
     """Undo the wiring of `engine` (wiring.EngineWiring.detach): every attribute the plugin set on the engine
     and DeepSpeed's fp16/bf16 wrapper restored, its gradient hooks removed; the optimizer is inert again
     (`attach(engine)` wires it anew). Returns the shardopt optimizer."""
     optimizer = shard_optimizer(engine)
-    if optimizer.wiring is not None:
-        optimizer.wiring.detach()
+    if engine_side(optimizer).wiring is not None:
+        engine_side(optimizer).wiring.detach()
     return optimizer
 
 
-def shard_optimizer(engine) -> ShardOptimizer:
-    """The shardopt optimizer inside a DeepSpeed engine (DeepSpeed's fp16/bf16 wrapper holds it)."""
+def shard_optimizer(engine) -> ShardOptimizer | DeepSpeedLocalSteps:
+    """The shardopt optimizer inside a DeepSpeed engine (DeepSpeed's fp16/bf16 wrapper holds it): with
+    "local_steps" the LocalSteps (comm_stats, describe, replicas_consistent), its `inner` the Dion or
+    Sign-Muon."""
     optimizer = getattr(engine, "basic_optimizer", None)
-    if not isinstance(optimizer, ShardOptimizer):
+    if not isinstance(optimizer, (ShardOptimizer, DeepSpeedLocalSteps)):
         raise ValueError(f"this engine's optimizer is {type(optimizer).__name__}, not a shardopt optimizer")
     return optimizer
 
@@ -157,16 +160,19 @@ def _check_accelerate_counts_every_rank() -> None:
                            f"and TrainingArguments(..., accelerator_config={{\"use_configured_state\": True}}) (see docs/trainers.md)")
 
 
-def _build(the_plan: Plan, model, model_parameters, check_lr_scheduler: bool) -> ShardOptimizer:
+def _build(the_plan: Plan, model, model_parameters, check_lr_scheduler: bool) -> ShardOptimizer | DeepSpeedLocalSteps:
     """The optimizer on the plan's mesh: the replicate group (DeepSpeed's data-parallel group when
-    there is no mesh) and, with a mesh, this rank's node group."""
+    there is no mesh) and, with a mesh, this rank's node group. With "local_steps" the Dion / Sign-Muon
+    has no replicate axis and a DeepSpeedLocalSteps over the replicate group wraps it."""
     from deepspeed.utils import groups as deepspeed_groups
     groups = build_param_groups(model, model_parameters, the_plan.cls, the_plan.section)
     mesh = mesh_shape(the_plan.mesh, the_plan.zero_stage, torch.distributed.get_world_size())
     replicate, node = split_world(*mesh) if mesh else (deepspeed_groups._get_data_parallel_group(), None)
     optimizer = the_plan.cls(groups, **the_plan.options, max_grad_norm=the_plan.max_grad_norm,
                              zero_stage=the_plan.zero_stage, reduce_bucket_size=the_plan.reduce_bucket_size,
-                             node_mesh=node, replicate_mesh=replicate)
+                             node_mesh=node, replicate_mesh=None if the_plan.local_steps else replicate)
+    if the_plan.local_steps:
+        optimizer = DeepSpeedLocalSteps(optimizer, replicate_mesh=replicate, **the_plan.local_steps)
     if check_lr_scheduler:
         check_scheduler(the_plan.scheduler, optimizer.param_groups)
     if the_plan.section.get("verbose") and torch.distributed.get_rank() == 0:

@@ -15,10 +15,11 @@ are still checked).
 | `engine.torch_autocast_z0_gradscaler` | refused (a per-rank GradScaler) |
 | `engine.has_moe_layers` | MoE expert params refused |
 | `engine.destroy()` | orderly shutdown |
-| `engine.save_checkpoint(save_dir, tag)` default tag `global_step<N>`, `load_checkpoint` returning `(<dir>/<tag>/<file>, client_state)` | ZeRO 1/2: each rank's own state file next to DeepSpeed's |
+| `engine.save_checkpoint(save_dir, tag)` default tag `global_step<N>`, `load_checkpoint` returning `(<dir>/<tag>/<file>, client_state)` | ZeRO 1/2 and local steps: each rank's own state files next to DeepSpeed's |
 | `FP16_UnfusedOptimizer.fp16_groups / fp32_groups` | master copies that replace the params in the groups |
 | `FP16_UnfusedOptimizer.overflow_checker.check()` | replaced by a check agreed over the replicas |
 | `FP16_UnfusedOptimizer.initialize_optimizer_states` | its step on zero gradients is a no-op here |
+| `FP16_UnfusedOptimizer._skip_invalid_grad_norm()` | local steps: where its step skips; the round counts it |
 | `FP16_UnfusedOptimizer.loss_scale`, `._global_grad_norm` | loss scale; the agreed gradient norm the engine logs |
 | `optimizer.checkpoint_event_prologue()` | averages the momenta before engine.save_checkpoint |
 | `deepspeed.utils.groups._get_data_parallel_group()` | the data-parallel group (the replicate axis at stage 0) |
@@ -61,7 +62,8 @@ def missing_internals(deepspeed) -> list[str]:
         "FP16_UnfusedOptimizer.initialize_optimizer_states": hasattr(FP16_UnfusedOptimizer, "initialize_optimizer_states"),
         "FP16_UnfusedOptimizer.step uses overflow_checker and fp16_groups/fp32_groups":
             all(name in inspect.getsource(FP16_UnfusedOptimizer.step) for name in ("overflow_checker", "fp16_groups",
-                                                                                    "fp32_groups", "_global_grad_norm")),
+                                                                                    "fp32_groups", "_global_grad_norm",
+                                                                                    "_skip_invalid_grad_norm")),
         "FP16_UnfusedOptimizer.loss_scale": hasattr(FP16_UnfusedOptimizer, "loss_scale"),
         "deepspeed.utils.groups._get_data_parallel_group": hasattr(groups, "_get_data_parallel_group"),
         "deepspeed.comm.destroy_process_group": hasattr(deepspeed.comm, "destroy_process_group"),

@@ -7,6 +7,7 @@ import torch
 
 from ..comm import Axis
 from ..guard import replicas_equal
+from ..localsteps import LocalSteps
 from ..optimizer import Dion, ShardOptimizer, SignMuon
 from ..placement import local
 from .zero import ZeroPartition
@@ -131,6 +132,35 @@ class DeepSpeedSignMuon(_EngineSide, SignMuon):
 
 
 OPTIMIZERS = {"dion": DeepSpeedDion, "signmuon": DeepSpeedSignMuon}
+
+
+class DeepSpeedLocalSteps(LocalSteps):
+    """LocalSteps around a DeepSpeedDion / DeepSpeedSignMuon built without a replicate axis, as DeepSpeed's
+    client optimizer ("shardopt": {"local_steps": ...}, ZeRO stage 0). The engine steps this one; what it
+    reads from its optimizer comes from the inner one: `overflow` (an inner step skipped on this replica,
+    agreed over its node: inner steps send nothing across the replicas) and `_global_grad_norm` (the
+    replica's own clipping norm). Until the wiring (EngineWiring) a step is the inner one's inert step;
+    a step the fp16/bf16 wrapper skips still counts towards the round (`skip_step`, patched in by the
+    wiring), so the replicas reach every sync at the same step."""
+
+    def step(self, closure=None):
+        if self.inner.wiring is None:   # the wrapper's construction-time step on zero gradients: not a step
+            return self.inner.step(closure)
+        return super().step(closure)
+
+    @property
+    def overflow(self) -> bool:
+        return self.inner.overflow
+
+    @property
+    def _global_grad_norm(self):
+        return self.inner._global_grad_norm
+
+
+def engine_side(optimizer) -> ShardOptimizer:
+    """The DeepSpeedDion / DeepSpeedSignMuon that the engine wiring fits: `optimizer` itself, or the inner
+    one of a DeepSpeedLocalSteps."""
+    return optimizer.inner if isinstance(optimizer, DeepSpeedLocalSteps) else optimizer
 
 
 class AgreedOverflowCheck:

@@ -10,10 +10,11 @@ inert: a step on non-zero gradients raises). What is changed, and why (shardopt/
 |---|---|---|
 | engine | `enable_backward_allreduce` | False: backward leaves local gradients, the optimizer exchanges |
 | engine | `backward` | fp16: the loss scale (DeepSpeed#8393); ZeRO 2: each gradient reduced to its owner |
-| engine | `save_checkpoint`, `load_checkpoint` | ZeRO 1/2: each rank's own partition next to DeepSpeed's files |
+| engine | `save_checkpoint`, `load_checkpoint` | ZeRO 1/2: each rank's own partition next to DeepSpeed's files; local steps: each rank's optimizer state and params |
 | fp16/bf16 wrapper | `overflow_checker` | a check agreed over all data-parallel ranks |
 | fp16/bf16 wrapper | `checkpoint_event_prologue` | the momenta averaged before DeepSpeed gathers the state |
-| optimizer | `wiring`; its params ↔ the wrapper's fp32 master copies | `replace_params` both ways |
+| fp16/bf16 wrapper | `_skip_invalid_grad_norm` | local steps: a skipped step still counts towards the round |
+| optimizer | `wiring` (the inner one under local steps); its params ↔ the wrapper's fp32 master copies | `replace_params` both ways |
 | params | post-accumulate-grad hooks | ZeRO 2 only (zero.BackwardReducer) |
 """
 
@@ -56,7 +57,7 @@ class EngineWiring:
     def __init__(self, engine, optimizer):
         from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-        from .optimizers import AgreedOverflowCheck
+        from .optimizers import AgreedOverflowCheck, DeepSpeedLocalSteps, engine_side
 
         if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
             raise NotImplementedError("shardopt optimizers under DeepSpeed do not support torch_autocast with float16 "
@@ -69,23 +70,27 @@ class EngineWiring:
         if wrapper is not optimizer and not isinstance(wrapper, FP16_UnfusedOptimizer):
             raise NotImplementedError(f"DeepSpeed wrapped the shardopt optimizer in {type(wrapper).__name__}; "
                                       f"shardopt supports fp32, bf16 or fp16 with DeepSpeed given ZeRO stage 0")
-        self.engine, self.optimizer = engine, optimizer
+        self.engine, self.optimizer = engine, optimizer   # what the engine steps (a LocalSteps or the Dion/Sign-Muon)
+        self.side = side = engine_side(optimizer)         # the Dion / Sign-Muon
+        self.local_steps = isinstance(optimizer, DeepSpeedLocalSteps)
         self.wrapper = wrapper if wrapper is not optimizer else None
         self.patches = Patches()
         self.hooks = []
         self.masters: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.patches.set(engine, "enable_backward_allreduce", False)
-        model_params = optimizer._slots()
+        model_params = side._slots()
         if self.wrapper is not None:
             self.masters = [pair for lp, fp32 in zip(wrapper.fp16_groups, wrapper.fp32_groups) for pair in zip(lp, fp32)]
             optimizer.replace_params(self.masters)
             model_params = [lp for lp, _ in self.masters]
-            self.patches.set(wrapper, "overflow_checker", AgreedOverflowCheck(model_params, optimizer))
-            self.patches.set(wrapper, "checkpoint_event_prologue", optimizer.checkpoint_event_prologue)
+            self.patches.set(wrapper, "overflow_checker", AgreedOverflowCheck(model_params, side))
+            self.patches.set(wrapper, "checkpoint_event_prologue", side.checkpoint_event_prologue)
+            if self.local_steps:
+                self._count_skipped_steps()
         self._wrap_backward(model_params)
-        if optimizer.zero is not None and optimizer.zero.stage >= 1:
+        if (side.zero is not None and side.zero.stage >= 1) or self.local_steps:
             self._wrap_checkpoints()
-        self.patches.set(optimizer, "wiring", self)
+        self.patches.set(side, "wiring", self)
 
     def detach(self) -> None:
         """Restore the engine, its wrapper, the params and the optimizer as they were before the wiring."""
@@ -96,36 +101,60 @@ class EngineWiring:
         self.optimizer.replace_params([(fp32, lp) for lp, fp32 in self.masters])
         self.masters = []
 
+    def _count_skipped_steps(self) -> None:
+        """Local steps under fp16/bf16: the wrapper skips a step with a non-finite gradient (agreed over the
+        node only) without calling the optimizer; LocalSteps counts it all the same (skip_step)."""
+        skip, optimizer = self.wrapper._skip_invalid_grad_norm, self.optimizer
+
+        def skip_invalid_grad_norm(*args, **kwargs):
+            result = skip(*args, **kwargs)
+            optimizer.skip_step()
+            return result
+
+        self.patches.set(self.wrapper, "_skip_invalid_grad_norm", skip_invalid_grad_norm)
+
     def _wrap_checkpoints(self) -> None:
-        """ZeRO 1/2: DeepSpeed (given stage 0) writes the optimizer state of data-parallel rank 0 only, one
-        partition. engine.save_checkpoint here also writes every rank's own state (its partition, momenta
-        averaged over the replicas first) as <dir>/<tag>/shardopt_zero_rank<rank>.safetensors, and
-        engine.load_checkpoint reads it back, so a resumed run continues the saving run's trajectory. The
-        same world size and mesh are needed to load (the file of each rank holds that rank's partition)."""
-        from ..checkpoint import load_optimizer_state, save_optimizer_state
+        """DeepSpeed (given stage 0) writes the weights and optimizer state of data-parallel rank 0 only. At
+        ZeRO 1/2 that is one partition; under local steps the replicas differ between syncs (weights, inner
+        state, error feedback). engine.save_checkpoint here also writes every rank's own optimizer state (its
+        partition, momenta averaged over the replicas first; the outer state with the inner) as
+        <dir>/<tag>/shardopt_zero_rank<rank>.safetensors, under local steps its params (the fp32 master
+        copies under fp16/bf16) as shardopt_params_rank<rank>.safetensors, and engine.load_checkpoint reads
+        them back, so a resumed run continues the saving run's trajectory, mid-round too. The same world
+        size and mesh are needed to load (the files of each rank hold that rank's state)."""
+        from ..checkpoint import load_optimizer_state, load_tensors, save_optimizer_state, save_tensors
         engine, optimizer = self.engine, self.optimizer
+        params = self.side._slots()
         save, load = engine.save_checkpoint, engine.load_checkpoint
         save_signature = inspect.signature(internals.unwrapped(type(engine).save_checkpoint))
 
-        def own_file(directory) -> str:
-            return os.path.join(directory, f"shardopt_zero_rank{torch.distributed.get_rank()}.safetensors")
+        def own_file(directory, what="zero") -> str:
+            return os.path.join(directory, f"shardopt_{what}_rank{torch.distributed.get_rank()}.safetensors")
 
         def save_checkpoint(save_dir, *args, **kwargs):
             tag = save_signature.bind(engine, save_dir, *args, **kwargs).arguments.get("tag")
             tag = f"global_step{engine.global_steps}" if tag is None else tag   # DeepSpeed's default tag
             result = save(save_dir, *args, **kwargs)
             save_optimizer_state(optimizer, own_file(os.path.join(save_dir, str(tag))))   # each rank reads its own
+            if self.local_steps:
+                save_tensors(params, own_file(os.path.join(save_dir, str(tag)), "params"))
             return result
 
         def load_checkpoint(load_dir, *args, **kwargs):
             path, client_state = load(load_dir, *args, **kwargs)
             if path is not None:
-                own = own_file(os.path.dirname(path))
-                if not os.path.exists(own):
-                    raise FileNotFoundError(f"{own} not found: the checkpoint was not written by shardopt at ZeRO "
-                                            f"stage 1/2 with this world size ({torch.distributed.get_world_size()} "
-                                            f"ranks)")
-                load_optimizer_state(optimizer, own)
+                own = [own_file(os.path.dirname(path), what) for what in ("zero", "params")[:1 + self.local_steps]]
+                missing = [name for name in own if not os.path.exists(name)]
+                if missing:
+                    raise FileNotFoundError(f"{missing[0]} not found: the checkpoint was not written by shardopt "
+                                            f"{'with local steps' if self.local_steps else 'at ZeRO stage 1/2'} "
+                                            f"with this world size ({torch.distributed.get_world_size()} ranks)")
+                load_optimizer_state(optimizer, own[0])
+                if self.local_steps:
+                    load_tensors(params, own[1])
+                    with torch.no_grad():   # the model's fp16/bf16 weights from the masters, as the wrapper's step does
+                        for low, master in self.masters:
+                            low.copy_(master)
             return path, client_state
 
         save_checkpoint.__doc__, load_checkpoint.__doc__ = save.__doc__, load.__doc__
@@ -140,7 +169,7 @@ class EngineWiring:
           the loss by, as DeepSpeed's fp16 wrapper expects when it unscales in step.
         - ZeRO stage 2: during backward each fresh local gradient goes to its owner (zero.BackwardReducer);
           after it the owned node means are added to the owned gradients kept from earlier micro-batches."""
-        engine, optimizer = self.engine, self.optimizer
+        engine, optimizer = self.engine, self.side
         fp16 = engine.fp16_enabled()
         reducer = None
         if optimizer.zero is not None and optimizer.zero.stage == 2:
