@@ -9,6 +9,8 @@
   client_optimizer + attach (code that calls deepspeed.initialize itself) equals initialize's;
 - engine.save_checkpoint / load_checkpoint at stages 1 and 2: the resumed run continues the saving run's
   trajectory exactly.
+- local steps at stage 0 on the mesh: the node averages its gradients every step, nothing crosses the
+  nodes between syncs, the two nodes are bitwise equal after a sync and the ranks of a node always.
 """
 
 import os
@@ -211,6 +213,33 @@ def test_engine_checkpoint_at_zero_stage_resumes_on_the_same_trajectory(pool, tm
         assert loaded and own_file
         assert diff == 0
         assert owned_state == saving_state    # only this rank's partition
+
+
+def _local_steps_on_the_mesh():
+    _env()
+    config = _config("SignMuon", 0, MESH)
+    config["shardopt"]["local_steps"] = {"sync_every": 3, "exchange": "sign_mean", "block": 128, "outer_momentum": 0.0}
+    engine, *_ = sds.initialize(model=_model(), config=config)
+    ours = sds.shard_optimizer(engine)
+    replicate, node, equal, world = [], [], [], Axis("replicate", dist.group.WORLD)
+    for step in range(1, 8):
+        before = ours.comm_stats()
+        _steps(engine, 1)
+        after = ours.comm_stats()
+        replicate.append(after["replicate"]["bytes_sent"] - before["replicate"]["bytes_sent"])
+        node.append(after["node"]["bytes_sent"] - before["node"]["bytes_sent"])
+        if step in (6, 7):   # (world, node): the weights bitwise equal over all four ranks, over this node's two
+            params = [p.detach() for p in engine.module.parameters()]
+            equal.append((replicas_equal(params, world), replicas_equal(params, ours.inner.node)))
+    return replicate, node, equal
+
+
+def test_local_steps_on_the_mesh_sync_across_nodes_only_every_round(pool):
+    for replicate, node, (after_sync, mid_round) in pool.run(_local_steps_on_the_mesh, timeout_s=TIMEOUT_S):
+        assert [replicate[i] for i in (0, 1, 3, 4, 6)] == [0] * 5 and replicate[2] > 0 and replicate[5] > 0, replicate
+        assert min(node) > 0                              # the node's full-precision mean, every step
+        assert after_sync == (True, True)                 # step 6: all four ranks equal
+        assert mid_round == (False, True)                 # step 7: the nodes differ, a node's ranks do not
 
 
 def _mesh_of_the_wrong_size():
