@@ -78,9 +78,11 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _config(stage: int) -> dict:
+def _config(stage: int, local_steps: dict | None = None) -> dict:
     config = copy.deepcopy(SIGNMUON_LION)
     config["zero_optimization"] = {"stage": stage}
+    if local_steps:
+        config["shardopt"]["local_steps"] = local_steps
     if stage:    # 2 ranks as 2 nodes of 1: the replicate axis is the one across nodes
         config["shardopt"]["mesh"] = {"replicate": 2, "shard": 1}
     return config
@@ -90,7 +92,7 @@ def _fp32_allreduce_bytes(model) -> int:
     return collective_bytes("all_reduce", 4 * sum(p.numel() for p in model.parameters()), dist.get_world_size())
 
 
-def _hf_trainer(directory, stage, resume):
+def _hf_trainer(directory, stage, resume, local_steps=None):
     """Trainer to STEPS steps, saving at STEPS/2; `resume`: from that checkpoint of an earlier run in `directory`."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
     _env()
@@ -103,7 +105,7 @@ def _hf_trainer(directory, stage, resume):
     model = _model()
     config = os.path.join(directory, "ds_config.json")    # as `--deepspeed ds_config.json` gives it
     if dist.get_rank() == 0 and not resume:
-        Path(config).write_text(json.dumps(_config(stage)))
+        Path(config).write_text(json.dumps(_config(stage, local_steps)))
     dist.barrier()
     args = TrainingArguments(output_dir=directory, deepspeed=config, learning_rate=3e-3,
                              per_device_train_batch_size=4, max_steps=STEPS, save_steps=STEPS // 2, logging_steps=1,
@@ -114,17 +116,18 @@ def _hf_trainer(directory, stage, resume):
     per_step = [b - a for a, b in zip([0] + sent, sent)]
     weights = [p.detach().clone() for p in trainer.model.parameters()]
     result = {"weights": weights, "per_step": per_step, "consistent": ours.replicas_consistent(),
+              "optimizer": type(ours).__name__,
               "allreduce": _fp32_allreduce_bytes(model), "algorithms": [g["algorithm"] for g in ours.param_groups],
               "engine_allreduce": trainer.model_wrapped.enable_backward_allreduce,
-              "zero": ours.zero.stage if ours.zero else 0, "losses": [h["loss"] for h in trainer.state.log_history
+              "zero": getattr(ours, "inner", ours).zero.stage if getattr(ours, "inner", ours).zero else 0, "losses": [h["loss"] for h in trainer.state.log_history
                                                                        if "loss" in h]}
     trainer.model_wrapped.destroy()
     return result
 
 
-def _hf_trainer_straight_and_resumed(directory, stage):
-    straight = _hf_trainer(directory, stage, resume=False)
-    resumed = _hf_trainer(directory, stage, resume=True)
+def _hf_trainer_straight_and_resumed(directory, stage, local_steps=None):
+    straight = _hf_trainer(directory, stage, resume=False, local_steps=local_steps)
+    resumed = _hf_trainer(directory, stage, resume=True, local_steps=local_steps)
     straight["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(straight.pop("weights"), resumed.pop("weights")))
     straight["resumed_per_step"] = resumed["per_step"]
     return straight
@@ -236,7 +239,19 @@ def test_register_is_idempotent_and_unregister_restores_deepspeed_initialize():
     assert deepspeed.initialize is original
 
 
-@pytest.mark.parametrize("name", ["signmuon_bf16", "signmuon_fp16", "dion_bf16", "adamw"])
+def test_hf_trainer_with_local_steps_in_the_config_syncs_every_round_and_resumes_mid_round(pool2, tmp_path):
+    """sync_every 3: steps 1, 2 and 4 are inner steps, 3 a sync; Trainer saves at step 2 (mid-round) and the
+    resumed run ends bitwise where the straight one did (each rank's own params and state files)."""
+    local_steps = {"sync_every": 3, "exchange": "sign_mean", "block": 128, "outer_momentum": 0.0}
+    for run in pool2.run(_hf_trainer_straight_and_resumed, str(tmp_path), 0, local_steps, timeout_s=TIMEOUT_S):
+        assert run["optimizer"] == "DeepSpeedLocalSteps" and run["engine_allreduce"] is False
+        inner = [run["per_step"][i] for i in (0, 1, 3)]
+        assert inner == [0, 0, 0] and run["per_step"][2] > 0, run["per_step"]
+        assert run["resumed_per_step"][:2] == [run["per_step"][2], 0], run["resumed_per_step"]
+        assert run["resumed_equal"] and not run["consistent"]   # (step 4 is an inner step: the replicas differ)
+
+
+@pytest.mark.parametrize("name", ["signmuon_bf16", "signmuon_fp16", "dion_bf16", "signmuon_local_steps_bf16", "adamw"])
 def test_the_shipped_configs_pass_hf_and_accelerate_config_processing(name, tmp_path):
     """HF Trainer's and Accelerate's processing of the shipped configs, TrainingArguments set to the configs'
     values: no "auto" of shardopt's (vote "fewest_bytes"), and one learning rate per scheduler field
