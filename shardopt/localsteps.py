@@ -214,11 +214,19 @@ class LocalSteps(torch.optim.Optimizer):
         return [Axis("shard", shard), Axis("tensor", tensor)]
 
     # ---- state ------------------------------------------------------------------------------------
+    def _synced_params(self) -> list[torch.Tensor]:
+        """The params this rank syncs and keeps outer state for: all of them (a subclass may own a part)."""
+        return self._params()
+
+    def _agreement_axes(self) -> list[Axis]:
+        """The axes besides the replicas over which a round's discard is agreed."""
+        return self.other_axes
+
     def _fragments(self) -> list[int]:
-        return fragment_of([p.numel() for p in self._params()], self.fragments)
+        return fragment_of([p.numel() for p in self._synced_params()], self.fragments)
 
     def _init_state(self) -> None:
-        for param in self._params():
+        for param in self._synced_params():
             if self.state.get(param):
                 continue
             device = self.state_device or local(param).device
@@ -267,7 +275,7 @@ class LocalSteps(torch.optim.Optimizer):
         return LowRank(matrices, self.format, Axes(self.replicate, *self.other_axes))
 
     def _fragment_params(self, fragment: int) -> list:
-        return [p for p, f in zip(self._params(), self._fragments()) if f == fragment]
+        return [p for p, f in zip(self._synced_params(), self._fragments()) if f == fragment]
 
     def _local(self, param: torch.Tensor, key: str) -> torch.Tensor:
         return local(self.state[param][key])
@@ -408,7 +416,7 @@ class LocalSteps(torch.optim.Optimizer):
         the shard and tensor axes (one small all-reduce each) and read on the host (the sync's one
         device sync). Logs the warning."""
         flag = nonfinite.float().reshape(1)
-        for axis in self.other_axes:
+        for axis in self._agreement_axes():
             flag = axis.all_reduce(flag, "max")
         if not bool(flag.item()):
             return False
@@ -450,8 +458,8 @@ class LocalSteps(torch.optim.Optimizer):
             self._finish(fragment)
         inner = self.inner.state_dict()
         for index, param in enumerate(self._params()):
-            outer = dict(self.state[param])
-            if outer:
+            outer = dict(self.state.get(param, {}))
+            if outer or index == 0:   # (the step count also where this rank syncs no params: ZeRO's owners)
                 outer["outer_steps"] = torch.tensor(self.steps, dtype=torch.int64)
             inner["state"][index] = {**inner["state"].get(index, {}), **outer}   # (torch's entries are live state)
         return inner
@@ -510,7 +518,7 @@ class LocalSteps(torch.optim.Optimizer):
     def describe(self, replicas: int | None = None) -> str:
         replicas = self.replicate.size if replicas is None else replicas
         total = sum(self.sync_bytes(replicas))
-        numel = sum(local(p).numel() for p in self._params())
+        numel = sum(local(p).numel() for p in self._synced_params())
         ddp = 8 * numel * (replicas - 1) // max(replicas, 1)
         ratio = f", {ddp * self.sync_every / total:.0f}× fewer than an fp32 all-reduce every step" if total else ""
         lines = [f"LocalSteps: sync every {self.sync_every} steps, exchange {self.format.name!r}, outer lr "

@@ -9,8 +9,9 @@
   client_optimizer + attach (code that calls deepspeed.initialize itself) equals initialize's;
 - engine.save_checkpoint / load_checkpoint at stages 1 and 2: the resumed run continues the saving run's
   trajectory exactly.
-- local steps at stage 0 on the mesh: the node averages its gradients every step, nothing crosses the
-  nodes between syncs, the two nodes are bitwise equal after a sync and the ranks of a node always.
+- local steps on the mesh at stages 0, 1 and 2: nothing crosses the nodes between syncs, the nodes are bitwise
+  equal after a sync and the ranks of a node always; at 1/2 each rank syncs and keeps the outer state of
+  what it owns (about half the bytes and state of stage 0 per rank); a checkpoint mid-round resumes bit-exact.
 """
 
 import os
@@ -215,31 +216,79 @@ def test_engine_checkpoint_at_zero_stage_resumes_on_the_same_trajectory(pool, tm
         assert owned_state == saving_state    # only this rank's partition
 
 
-def _local_steps_on_the_mesh():
+LOCAL_STEPS = {"sync_every": 3, "exchange": "sign_mean", "block": 128, "outer_momentum": 0.0}
+
+
+def _local_steps_engine(stage):
+    config = _config("SignMuon", stage, MESH)
+    config["shardopt"]["local_steps"] = dict(LOCAL_STEPS)
+    return sds.initialize(model=_model(), config=config)[0]
+
+
+def _local_steps_on_the_mesh(stage):
     _env()
-    config = _config("SignMuon", 0, MESH)
-    config["shardopt"]["local_steps"] = {"sync_every": 3, "exchange": "sign_mean", "block": 128, "outer_momentum": 0.0}
-    engine, *_ = sds.initialize(model=_model(), config=config)
+    engine = _local_steps_engine(stage)
     ours = sds.shard_optimizer(engine)
-    replicate, node, equal, world = [], [], [], Axis("replicate", dist.group.WORLD)
+    replicate, node, equal, losses, world = [], [], [], [], Axis("replicate", dist.group.WORLD)
     for step in range(1, 8):
         before = ours.comm_stats()
-        _steps(engine, 1)
+        losses.append(_steps(engine, 1))
         after = ours.comm_stats()
         replicate.append(after["replicate"]["bytes_sent"] - before["replicate"]["bytes_sent"])
         node.append(after["node"]["bytes_sent"] - before["node"]["bytes_sent"])
         if step in (6, 7):   # (world, node): the weights bitwise equal over all four ranks, over this node's two
             params = [p.detach() for p in engine.module.parameters()]
             equal.append((replicas_equal(params, world), replicas_equal(params, ours.inner.node)))
-    return replicate, node, equal
+    outer_bytes = sum(v.numel() * v.element_size() for s in ours.state.values() for k, v in s.items()
+                      if k.startswith("outer_") and v.dim())
+    return replicate, node, equal, losses, sum(ours.sync_bytes()), outer_bytes
 
 
-def test_local_steps_on_the_mesh_sync_across_nodes_only_every_round(pool):
-    for replicate, node, (after_sync, mid_round) in pool.run(_local_steps_on_the_mesh, timeout_s=TIMEOUT_S):
-        assert [replicate[i] for i in (0, 1, 3, 4, 6)] == [0] * 5 and replicate[2] > 0 and replicate[5] > 0, replicate
-        assert min(node) > 0                              # the node's full-precision mean, every step
-        assert after_sync == (True, True)                 # step 6: all four ranks equal
-        assert mid_round == (False, True)                 # step 7: the nodes differ, a node's ranks do not
+def _local_steps_at_every_stage():
+    return {stage: _local_steps_on_the_mesh(stage) for stage in (0, 1, 2)}
+
+
+def test_local_steps_on_the_mesh_sync_across_nodes_only_every_round_at_every_stage(pool):
+    """Stage 0 on the 2×2 mesh: the node averages its gradients every step, every rank syncs the whole
+    model. Stages 1/2: each rank syncs (and keeps θ_outer and e for) the params it owns, then the node
+    gathers them: per rank about half the bytes and the outer state, the node's two ranks together the
+    model once."""
+    results = pool.run(_local_steps_at_every_stage, timeout_s=TIMEOUT_S)
+    for rank, runs in enumerate(results):
+        for stage, (replicate, node, (after_sync, mid_round), losses, sync_bytes, outer_bytes) in runs.items():
+            assert [replicate[i] for i in (0, 1, 3, 4, 6)] == [0] * 5, (stage, replicate)  # inner steps: nothing across
+            assert replicate[5] == sync_bytes > 0 and replicate[2] >= sync_bytes, (stage, replicate)
+            assert min(node) > 0                              # the node's gradients, every step
+            assert after_sync == (True, True), stage          # step 6: all four ranks bitwise equal
+            assert mid_round == (False, True), stage          # step 7: the nodes differ, a node's ranks do not
+            assert losses[-1] < losses[0], (stage, losses)
+        stage0_sync, stage0_outer = runs[0][4], runs[0][5]
+        for stage in (1, 2):
+            node_sync = sum(results[r][stage][4] for r in (2 * (rank // 2), 2 * (rank // 2) + 1))
+            assert runs[stage][4] < 0.7 * stage0_sync and abs(node_sync / stage0_sync - 1) < 0.05, (stage, node_sync)
+            assert runs[stage][5] < 0.7 * stage0_outer, (stage, runs[stage][5], stage0_outer)
+
+
+def _local_steps_checkpoint(directory, stage):
+    _env()
+    saving = _local_steps_engine(stage)
+    _steps(saving, 4)                                 # one step into the second round
+    saving.save_checkpoint(directory, tag="mid")
+    resumed = _local_steps_engine(stage)
+    resumed.load_checkpoint(directory, tag="mid")
+    diffs = []
+    for _ in range(4):
+        _steps(saving, 1)
+        _steps(resumed, 1)
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(saving.module.parameters(),
+                                                                     resumed.module.parameters())))
+    return diffs
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_local_steps_checkpoint_mid_round_resumes_bit_exact_on_the_mesh(pool, tmp_path, stage):
+    for diffs in pool.run(_local_steps_checkpoint, str(tmp_path), stage, timeout_s=TIMEOUT_S):
+        assert diffs == [0.0] * 4, diffs
 
 
 def _mesh_of_the_wrong_size():

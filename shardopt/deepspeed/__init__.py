@@ -25,7 +25,7 @@ outside them). An optional top-level "shardopt" section:
                  "scale_scheduler_lr": true,        a WarmupLR-type scheduler's lr is the matrix group's;
                                                     the other groups get it scaled to their own lr
                  "local_steps": {"sync_every": H, ...},   shardopt.LocalSteps' keyword arguments: the
-                                                    replicas sync every H steps (ZeRO stage 0)
+                                                    replicas sync every H steps
                  "verbose": true}                   print the groups on rank 0
 
 Code that calls deepspeed.initialize itself (HF Trainer with a DeepSpeed config, Accelerate's
@@ -83,8 +83,9 @@ What the plugin changes in the engine, and why:
   nothing across the replicas, not even the overflow flag, so an fp16/bf16 overflow skips that replica's
   inner step alone (the step still counts towards the round). The replicas differ between syncs, so
   engine.save_checkpoint also writes every rank's own optimizer state and params, read back by
-  engine.load_checkpoint (a resume mid-round continues bit-exact). ZeRO 1/2 are refused with it: every
-  rank of a node holds the whole model after the step and would send the whole pseudo-gradient across.
+  engine.load_checkpoint (a resume mid-round continues bit-exact). At ZeRO 1/2 each rank syncs and
+  keeps the outer state of the params it owns, and the node gathers them after a sync (no overlap or
+  fragments there).
 - Bytes: `shard_optimizer(engine).comm_stats()` per axis: "replicate" (across nodes)
   and "node" (ZeRO 1/2 inside a node). "shard" also reports the node's bytes until the
   next release (the node axis's former name): read "node".

@@ -108,7 +108,7 @@ def plan(config: dict, model=None, mpu=None, *, fp16_supported=None) -> Plan | N
                 section=section, max_grad_norm=config.get("gradient_clipping", 0.0) or 0.0, zero_stage=stage,
                 reduce_bucket_size=_positive_int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE),
                                                  "zero_optimization.reduce_bucket_size"),
-                mesh=_mesh(section.get("mesh"), stage), local_steps=_local_steps(section.get("local_steps"), stage, name),
+                mesh=_mesh(section.get("mesh"), stage), local_steps=_local_steps(section.get("local_steps")),
                 scheduler=config.get("scheduler"), engine_config=engine_config)
 
 
@@ -159,9 +159,9 @@ def _mesh(mesh, stage: int) -> tuple[int, int] | None:
     return mesh["replicate"], mesh["shard"]
 
 
-def _local_steps(options, stage: int, name: str) -> dict | None:
+def _local_steps(options) -> dict | None:
     """LocalSteps' keyword arguments from "shardopt": {"local_steps": {"sync_every": H, ...}} (checked by
-    name here, by value when LocalSteps is built). Stage 0 only: see the refusal's message."""
+    name here, by value when LocalSteps is built)."""
     if options is None:
         return None
     allowed = [n for n in inspect.signature(LocalSteps.__init__).parameters if n not in LOCAL_STEPS_FILLED]
@@ -172,15 +172,6 @@ def _local_steps(options, stage: int, name: str) -> dict | None:
     if unknown:
         raise ValueError(f"\"shardopt\": {{\"local_steps\": ...}} has unknown key(s) {', '.join(map(repr, unknown))}; "
                          f"allowed: {', '.join(allowed)}")
-    if stage != 0:
-        raise ValueError(f"\"shardopt\": {{\"local_steps\": ...}} runs with zero_optimization.stage 0, and the config "
-                         f"sets stage {stage}. At ZeRO 1/2 every rank of a node holds the whole model after the "
-                         f"step, so each would send the whole pseudo-gradient across the nodes (the node's link "
-                         f"bytes × its ranks) and keep a whole θ_outer: use stage 0 with \"mesh\" (the node's "
-                         f"gradients averaged inside it at full precision, one replica per node), or FSDP2, which "
-                         f"shards the model and θ_outer inside a node: fully_shard(model, mesh=mesh['shard']), "
-                         f"{name}(..., shard_mesh=mesh['shard']) wrapped in shardopt.LocalSteps(..., "
-                         f"replicate_mesh=mesh['replicate']) (integrations/fsdp/train.py --local-steps H)")
     return dict(options)
 
 
