@@ -93,23 +93,33 @@ def load_tensors(tensors: list[torch.Tensor], path: str | os.PathLike) -> None:
     """Copy what save_tensors wrote into `tensors` (their local pieces, in place), after every check:
     format, count, each tensor's dtype, shape and SHA-256; nothing is written unless all fit."""
     metadata = read_metadata(path, TENSORS_FORMAT)
-    try:
-        pieces = load_file(os.fspath(path))
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"{path} could not be read ({error}); it may be truncated or corrupt") from error
+    pieces = _checked_tensors(path, metadata)
     if int(metadata["count"]) != len(tensors) or len(pieces) != len(tensors):
         raise ValueError(f"{path} holds {metadata['count']} tensors, {len(tensors)} are to be loaded")
-    digests = json.loads(metadata["sha256"])
     for i, tensor in enumerate(tensors):
         piece, name = pieces.get(f"tensor.{i}"), f"tensor.{i}"
-        if piece is None or _digest(piece) != digests.get(name):
-            raise ValueError(f"{path}: tensor {name!r} is missing or fails its SHA-256 check; the file is corrupt")
+        if piece is None:
+            raise ValueError(f"{path}: tensor {name!r} is missing")
         if piece.dtype != local(tensor).dtype or piece.shape != local(tensor).shape:
             raise ValueError(f"{path}: tensor {name!r} is {piece.dtype} {tuple(piece.shape)}, this rank holds "
                              f"{local(tensor).dtype} {tuple(local(tensor).shape)}")
     with torch.no_grad():
         for i, tensor in enumerate(tensors):
             local(tensor).copy_(pieces[f"tensor.{i}"])
+
+
+def _checked_tensors(path, metadata: dict) -> dict[str, torch.Tensor]:
+    """The file's tensors, each present and matching the SHA-256 its metadata lists (ValueError naming it)."""
+    try:
+        tensors = load_file(os.fspath(path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path} could not be read ({error}); it may be truncated or corrupt") from error
+    for name, digest in json.loads(metadata["sha256"]).items():
+        if name not in tensors:
+            raise ValueError(f"{path}: tensor {name!r} listed in the metadata is missing")
+        if _digest(tensors[name]) != digest:
+            raise ValueError(f"{path}: tensor {name!r} fails its SHA-256 check; the file is corrupt")
+    return tensors
 
 
 def read_metadata(path: str | os.PathLike, expected_format: str = FORMAT) -> dict:
@@ -132,16 +142,7 @@ def load_optimizer_state(optimizer, path: str | os.PathLike) -> dict:
     metadata = read_metadata(path)
     if metadata["optimizer"] != type(optimizer).__name__:
         raise ValueError(f"{path} holds {metadata['optimizer']} state; cannot load it into {type(optimizer).__name__}")
-    try:
-        tensors = load_file(os.fspath(path))
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"{path} could not be read ({error}); it may be truncated or corrupt") from error
-    digests = json.loads(metadata["sha256"])
-    for name, digest in digests.items():
-        if name not in tensors:
-            raise ValueError(f"{path}: tensor {name!r} listed in the metadata is missing")
-        if _digest(tensors[name]) != digest:
-            raise ValueError(f"{path}: tensor {name!r} fails its SHA-256 check; the file is corrupt")
+    tensors = _checked_tensors(path, metadata)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     group_params = json.loads(metadata["group_params"])
     if [len(g) for g in group_params] != [len(g["params"]) for g in optimizer.param_groups]:

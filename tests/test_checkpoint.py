@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shardopt
-from shardopt.checkpoint import load_optimizer_state, save_optimizer_state
+from shardopt.checkpoint import load_optimizer_state, load_tensors, save_optimizer_state, save_tensors
 
 
 def _model_and_optimizer(kind, width=16):
@@ -87,6 +87,38 @@ def _keep_saving(path, ready):
     ready.set()
     while True:
         save_optimizer_state(opt, path)
+
+
+def test_tensors_file_round_trips_and_a_corrupt_or_mismatched_one_changes_nothing(tmp_path):
+    """save_tensors / load_tensors (one replica's params under DeepSpeed local steps): bitwise back; a
+    flipped byte, a wrong count, a wrong shape or an optimizer-state file raise a ValueError and leave the
+    target tensors untouched."""
+    saved = [torch.randn(3, 4), torch.randn(5)]
+    path = tmp_path / "params.safetensors"
+    save_tensors(saved, path)
+    target = [torch.zeros(3, 4), torch.zeros(5)]
+    load_tensors(target, path)
+    assert all(torch.equal(a, b) for a, b in zip(saved, target))
+    untouched = [torch.zeros(3, 4), torch.zeros(5)]
+    with pytest.raises(ValueError, match="holds 2 tensors, 1 are to be loaded"):
+        load_tensors(untouched[:1], path)
+    with pytest.raises(ValueError, match=r"tensor 'tensor.1' is torch.float32 \(5,\), this rank holds"):
+        load_tensors([untouched[0], torch.zeros(6)], path)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF                         # a byte of the last tensor's data
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="fails its SHA-256 check"):
+        load_tensors(untouched, corrupt)
+    other = tmp_path / "opt.safetensors"
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    save_optimizer_state(optimizer, other)
+    with pytest.raises(ValueError, match="not a shardopt tensors file"):
+        load_tensors(untouched, other)
+    assert all(not t.any() for t in untouched)
 
 
 def test_sigkill_during_write_leaves_previous_checkpoint_loadable(tmp_path):

@@ -136,7 +136,7 @@ OPTIMIZERS = {"dion": DeepSpeedDion, "signmuon": DeepSpeedSignMuon}
 
 class DeepSpeedLocalSteps(LocalSteps):
     """LocalSteps around a DeepSpeedDion / DeepSpeedSignMuon built without a replicate axis, as DeepSpeed's
-    client optimizer ("shardopt": {"local_steps": ...}, ZeRO stage 0). The engine steps this one; what it
+    client optimizer ("shardopt": {"local_steps": ...}). The engine steps this one; what it
     reads from its optimizer comes from the inner one: `overflow` (an inner step skipped on this replica,
     agreed over its node: inner steps send nothing across the replicas) and `_global_grad_norm` (the
     replica's own clipping norm). Until the wiring (EngineWiring) a step is the inner one's inert step;
@@ -172,25 +172,27 @@ class DeepSpeedLocalSteps(LocalSteps):
         return self.other_axes if self.zero is None else [*self.other_axes, self.inner.node]
 
     def _sync(self, fragment: int, params: list) -> None:
-        if params or self.zero is None:
+        """ZeRO 1/2: a rank that owns nothing still joins the node's discard agreement; after the sync the
+        node's owners send the synced params to the node's other ranks."""
+        if self.zero is None:
             return super()._sync(fragment, params)
-        self._agreed_discard(torch.zeros((), device=local(self._params()[0]).device), params)  # owns nothing: agree
+        if params:
+            super()._sync(fragment, params)
+        else:
+            self._agreed_discard(torch.zeros((), device=local(self._params()[0]).device), params)
+        self.zero.gather_weights(self._params())
 
     def load_state_dict(self, state_dict: dict) -> None:
         """ZeRO 1/2: engine.load_checkpoint first loads data-parallel rank 0's state into every rank (its own
-        file then replaces it, wiring.py); the outer state of params this rank does not own is left out."""
+        file then replaces it, wiring.py); the outer state of params this rank does not own is left out
+        (the step count, kept beside param 0, stays)."""
         if self.zero is not None:
             order = [key for group in state_dict["param_groups"] for key in group["params"]]
             owned = {key for slot, key in enumerate(order) if self.zero.owns(slot)}
             state_dict = {**state_dict, "state": {key: entry if key in owned else {
-                k: v for k, v in entry.items() if not k.startswith("outer_")} for key, entry in state_dict["state"].items()}}
+                k: v for k, v in entry.items() if k == "outer_steps" or not k.startswith("outer_")}
+                for key, entry in state_dict["state"].items()}}
         super().load_state_dict(state_dict)
-
-    def _count_step(self) -> None:
-        """ZeRO 1/2: after a sync the node's owners send the synced params to the node's other ranks."""
-        super()._count_step()
-        if self.zero is not None and self.steps % self.sync_every == 0:
-            self.zero.gather_weights(self._params())
 
     @property
     def overflow(self) -> bool:

@@ -143,7 +143,8 @@ class EngineWiring:
         def load_checkpoint(load_dir, *args, **kwargs):
             path, client_state = load(load_dir, *args, **kwargs)
             if path is not None:
-                own = [own_file(os.path.dirname(path), what) for what in ("zero", "params")[:1 + self.local_steps]]
+                own = [own_file(os.path.dirname(path), what)
+                       for what in (("zero", "params") if self.local_steps else ("zero",))]
                 missing = [name for name in own if not os.path.exists(name)]
                 if missing:
                     raise FileNotFoundError(f"{missing[0]} not found: the checkpoint was not written by shardopt "
