@@ -282,11 +282,12 @@ def slowlink_summary(rows: list[dict]) -> str:
 def localsteps_summary(rows: list[dict]) -> str:
     """The README's local-steps table: per horizon (steps), ddp_adamw and signmuon_lion (per step), the best (lowest final val
     loss over lrs) DiLoCo, MuLoCo-style and LocalSteps row, and the LocalSteps row with the most x fewer
-    bytes among those at or below ddp_adamw's loss (where one is; of equal bytes, the lowest loss)."""
+    bytes among those at or below ddp_adamw's loss (where one is; of equal bytes, the lowest loss). Rows of
+    the benchmark's mesh only (2 replicas; the replicas column, blank in older files)."""
     lines = ["| steps | method | lr | final val loss | x fewer link bytes per token than DDP fp32 | "
              "time to ddp_adamw's loss at 10 Mbit/s | at 1 Mbit/s |", "|---:|---|---:|---:|---:|---:|---:|"]
     for steps in sorted({int(r["steps"]) for r in rows}):
-        mine = [r for r in rows if int(r["steps"]) == steps and r["x_fewer_bytes"]]
+        mine = [r for r in rows if int(r["steps"]) == steps and r["x_fewer_bytes"] and r.get("replicas", "2") in ("", "2")]
 
         def best(kind) -> dict | None:
             found = [r for r in mine if kind(r["method"])]

@@ -148,6 +148,25 @@ def test_localsteps_rows_are_against_ddp_adamw_at_the_same_steps_in_link_bytes()
     assert float(quiet[("local_x", "10")]["time_to_target_1mbit_s"]) == pytest.approx(5 * 0.1 + 20 * 8 / 1e6, abs=0.05)
 
 
+def test_localsteps_on_four_replicas_counts_one_crossing_per_node_and_runs_a_4_by_1_mesh():
+    """--replicas 4: four nodes of one rank, so one rank's counted bytes are its node's on the link (against
+    two at the benchmark's 2 × 2); the method is named …_M4 and launched on a 4 × 1 mesh; DDP methods refused."""
+    rows = [_local_row("ddp_adamw", 10, "4.0", 8000), {**_local_row("local_x", 10, "3.9", 20)},
+            {**_local_row("local_x_M4", 10, "3.9", 20), "replicas": "4"}]
+    out = {r["method"]: r for r in localsteps.arrange(rows, {})}
+    assert (out["local_x"]["replicas"], out["local_x"]["link_bytes_total"]) == (2, 40)
+    assert (out["local_x_M4"]["replicas"], out["local_x_M4"]["link_bytes_total"]) == (4, 20)
+    assert float(out["local_x_M4"]["x_fewer_bytes"]) == 400.0
+    every = {c.method.name: c for c in localsteps.configs(128)}
+    config = localsteps.replicas_variant(every["local_muon_H30_sign_vote"], 4)
+    assert (config.method.name, config.replicas) == ("local_muon_H30_sign_vote_M4", 4)
+    assert localsteps.replicas_variant(every["local_muon_H30_sign_vote"], 2) == every["local_muon_H30_sign_vote"]
+    command = config.method.command(0.02, None, 0, Path("out"), [], config.replicas, localsteps.RANKS // 4)
+    assert command[command.index("--replicate") + 1] == "4" and command[command.index("--shard") + 1] == "1"
+    with pytest.raises(SystemExit, match="ddp_adamw has no outer loop"):
+        localsteps.replicas_variant(every["ddp_adamw"], 4)
+
+
 def test_localsteps_configs_cover_every_inner_exchange_and_period_once():
     configs = localsteps.configs(128)
     names = [c.method.name for c in configs]

@@ -26,6 +26,8 @@ def test_localsteps_summary_shows_the_peers_the_bests_and_the_most_compressed_at
     lines = results_table.localsteps_summary(rows).splitlines()[2:]
     assert [line.split(" | ")[1] for line in lines] == ["ddp_adamw", "diloco_m0.9_H30", "local_a_H10", "local_b_H100"]
     assert lines[-1].endswith("| 4,000× | 12 s | not reached |")
+    other_mesh = {**row("local_d_H100_M4", "4.1", "9000.0"), "replicas": "4"}      # not the benchmark's 2 × 2
+    assert results_table.localsteps_summary(rows + [other_mesh]) == results_table.localsteps_summary(rows)
 
 
 def test_slowlink_table_divides_by_ddp_adamw_at_the_same_rate_and_shows_wire_over_counted():

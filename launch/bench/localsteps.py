@@ -6,11 +6,14 @@ MuLoCo-style peers, at equal steps and tokens: final val loss and replicate byte
         --lr-factors 1 --eval-every 100                                # the long horizon, same CSV (steps column)
     python launch/bench/localsteps.py --configs local_muon_H30_int8 --outer-lrs 1 0.7 --outer-momenta 0 0.6 \\
         --lr-factors 1                                                 # outer SGD variants (…_olr1_m0)
+    python launch/bench/localsteps.py --configs local_muon_H30_sign_vote --replicas 4 --lr-factors 1
+                                                                       # 4 nodes × 1 rank (…_M4 rows)
     python launch/bench/localsteps.py --configs local_muon_H30_int8 --steps 20 --lr-factors 1 \\
         --csv results/localsteps_smoke.csv                             # a reduced-scale check
 
-Each run: torchrun --standalone with 2 × 2 ranks on this machine (two "nodes" of two ranks), the same
-model, data and schedule as convergence.py (runs.model_args). A config is a runs.Method:
+Each run: torchrun --standalone with 2 × 2 ranks on this machine (two "nodes" of two ranks; --replicas 4: four
+"nodes" of one rank, the replicas column), the same model, data and schedule as convergence.py
+(runs.model_args). A config is a runs.Method:
 - the per-step peers of runs.methods(): ddp_adamw, ddp_muon (DDP, fp32 gradient all-reduce), signmuon_lion
   (1 bit per entry every step);
 - local_<inner>_H<H>_<exchange>: integrations/fsdp/train.py --optimizer <inner> --local-steps H
@@ -54,14 +57,15 @@ import campaign
 import runs
 from shardopt.outer import EXCHANGES
 
-FIELDS = ["method", "inner", "H", "exchange", "outer_lr", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
+FIELDS = ["method", "inner", "H", "replicas", "exchange", "outer_lr", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
           "final_val_loss", "replicate_bytes_total", "link_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",
           "time_to_target_10mbit_s", "time_to_target_1mbit_s"]
 KEY = ("method", "lr", "scalar_lr", "seed", "steps")
 CURVE_FIELDS = ["method", "lr", "scalar_lr", "seed", "steps", "step", "val_loss", "replicate_bytes", "compute_s"]
 LINKS_MBIT = (10, 1)
-RANKS_PER_NODE = 2
-RING_CROSSINGS = 1    # DDP's ring over 4 ranks on 2 nodes: one rank's bytes cross each way (results/slowlink*.csv)
+RANKS = 4             # every run: 4 processes, replicas (nodes) × RANKS / replicas shard ranks per node
+REPLICAS = 2          # the benchmark's mesh: 2 nodes × 2 ranks (--replicas 4: 4 nodes × 1, methods named …_M4)
+RING_CROSSINGS = 1    # DDP's ring over the 4 ranks: one rank's bytes cross each way (results/slowlink*.csv)
 BASELINE = "ddp_adamw"
 INNER_LR = {"signmuon": 3e-3, "dion": 0.02, "muon": 0.02, "adamw": 1.5e-3}    # convergence_best.csv's per-step bests
 OUTER_LR = 0.7          # LocalSteps' default (MuLoCo's), momentum 0.6
@@ -78,6 +82,7 @@ class Config:
     exchange: str
     outer_momentum: float | None = None
     outer_lr: float | None = None
+    replicas: int = REPLICAS
 
 
 def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: float = 0.6,
@@ -110,6 +115,17 @@ def outer_variant(config: Config, outer_lr: float, outer_momentum: float) -> Con
     return dataclasses.replace(config, method=method, outer_lr=outer_lr, outer_momentum=outer_momentum)
 
 
+def replicas_variant(config: Config, replicas: int) -> Config:
+    """A local-steps config on `replicas` nodes of RANKS / replicas ranks each, labelled …_M<replicas>
+    (unchanged at the benchmark's REPLICAS)."""
+    if replicas == REPLICAS:
+        return config
+    if not config.H:
+        raise SystemExit(f"--replicas: {config.method.name} has no outer loop (choose local-steps configs)")
+    method = dataclasses.replace(config.method, name=f"{config.method.name}_M{replicas}")
+    return dataclasses.replace(config, method=method, replicas=replicas)
+
+
 def add_variant_arguments(parser) -> None:
     """The options that turn the chosen local-steps configs into their variants (`variants`)."""
     parser.add_argument("--outer-lrs", nargs="+", type=float, default=None,
@@ -118,16 +134,20 @@ def add_variant_arguments(parser) -> None:
     parser.add_argument("--outer-overlap", action="store_true",
                         help="the chosen local-steps configs with the exchange one round late (…_overlap)")
     parser.add_argument("--fragments", type=int, default=1, help="the chosen configs synced in F fragments (…_fF)")
+    parser.add_argument("--replicas", type=int, choices=(2, 4), default=REPLICAS,
+                        help=f"nodes (replicas) of {RANKS} / replicas ranks each for the chosen local-steps configs "
+                             f"(…_M4); {REPLICAS}: the benchmark's mesh")
 
 
 def variants(chosen: list[Config], args) -> list[Config]:
-    """chosen, each at every (--outer-lrs × --outer-momenta), then overlapped / in fragments where asked."""
+    """chosen, each at every (--outer-lrs × --outer-momenta), then overlapped / in fragments where asked, on
+    --replicas nodes."""
     if args.outer_lrs or args.outer_momenta:
         chosen = [outer_variant(c, lr, m) for c in chosen for lr in args.outer_lrs or [OUTER_LR]
                   for m in args.outer_momenta or [0.6]]
     if args.outer_overlap or args.fragments > 1:
         chosen = [streaming_variant(c, args.outer_overlap, args.fragments) for c in chosen]
-    return chosen
+    return [replicas_variant(c, args.replicas) for c in chosen]
 
 
 def configs(n_embd: int) -> list[Config]:
@@ -148,10 +168,11 @@ def configs(n_embd: int) -> list[Config]:
     return found
 
 
-def link_factor(method: str) -> int:
-    """The bytes one node puts on the link per byte one rank counted: shardopt's RANKS_PER_NODE replicate
-    groups each cross it; DDP's ring crosses it once (the ratio slowlink.py measured on the emulated link)."""
-    return RING_CROSSINGS if method in DDP_METHODS else RANKS_PER_NODE
+def link_factor(method: str, replicas: int = REPLICAS) -> int:
+    """The bytes one node puts on the link per byte one rank counted: each of shardopt's RANKS / replicas
+    replicate groups (one per rank of a node) crosses it; DDP's ring crosses it once (the ratios slowlink.py
+    measured on the emulated link)."""
+    return RING_CROSSINGS if method in DDP_METHODS else RANKS // replicas
 
 
 def arrange(rows: list[dict], curves: dict, step_ms: dict | None = None) -> list[dict]:
@@ -169,10 +190,11 @@ def arrange(rows: list[dict], curves: dict, step_ms: dict | None = None) -> list
     for row in rows:
         if str(row.get("H", "0")) != "0" and not row.get("outer_lr"):
             row["outer_lr"] = f"{OUTER_LR:g}"     # (rows from before the column: the default)
+        row["replicas"] = int(row.get("replicas") or REPLICAS)     # (rows from before the column: the benchmark's)
         baseline = baselines.get(str(row["steps"]))
         if baseline is None:
             continue
-        row["link_bytes_total"] = int(row["replicate_bytes_total"]) * link_factor(row["method"])
+        row["link_bytes_total"] = int(row["replicate_bytes_total"]) * link_factor(row["method"], row["replicas"])
         ratio = row["link_bytes_total"] / (int(baseline["replicate_bytes_total"]) * link_factor(BASELINE))
         row["bytes_per_token_vs_ddp_fp32"] = f"{ratio:.6f}"
         row["x_fewer_bytes"] = f"{1 / ratio:.1f}" if ratio else "inf"
@@ -180,7 +202,7 @@ def arrange(rows: list[dict], curves: dict, step_ms: dict | None = None) -> list
         reference = curves.get(tuple(str(baseline[k]) for k in KEY))
         target = reference[-1][2] if reference else float(baseline["final_val_loss"])   # (unrounded)
         for mbit in LINKS_MBIT:
-            per_byte = link_factor(row["method"]) * 8 / (mbit * 1e6)    # one rank's byte → link seconds
+            per_byte = link_factor(row["method"], row["replicas"]) * 8 / (mbit * 1e6)   # one rank's byte → link s
             seconds = runs.time_to_target(curve, target, per_byte) if curve else math.nan
             row[f"time_to_target_{mbit}mbit_s"] = "not reached" if seconds == math.inf else \
                 "" if math.isnan(seconds) else f"{seconds:.1f}"
@@ -195,7 +217,8 @@ def quiet(curve: list | None, step_ms: float | None) -> list | None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Val loss vs bytes per token (relative to DDP fp32), each config at its best lr, a panel per horizon."""
+    """Val loss vs bytes per token (relative to DDP fp32), each config at its best lr, a panel per horizon
+    (the benchmark's mesh: REPLICAS nodes)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -204,7 +227,8 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     figure, axes = plt.subplots(1, len(horizons), figsize=(6 * len(horizons), 4.5), squeeze=False)
     for axis, steps in zip(axes[0], horizons):
-        best = best_rows([r for r in rows if int(r["steps"]) == steps and r.get("bytes_per_token_vs_ddp_fp32")])
+        best = best_rows([r for r in rows if int(r["steps"]) == steps and r.get("bytes_per_token_vs_ddp_fp32")
+                          and int(r.get("replicas") or REPLICAS) == REPLICAS])
         for index, row in enumerate(best):
             marker = "s" if row["H"] == "0" else "o"
             axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), float(row["final_val_loss"]), marker=marker,
@@ -235,7 +259,8 @@ def measure_step_times(chosen: list[Config], args, path: Path) -> None:
     for config in chosen:
         method = config.method
         out = args.runs_dir / f"quiet{args.steps}" / method.name.replace("/", "_")
-        command = method.command(method.lr, None, 0, out, runs.model_args(args), 2, 2)
+        command = method.command(method.lr, None, 0, out, runs.model_args(args), config.replicas,
+                                 RANKS // config.replicas)
         if rows.attempt(method.name, lambda: campaign.run_local(command, 4, out / "log.txt", args.run_timeout)):
             rows.add({"method": method.name, "steps": args.steps,
                       "step_ms": f"{runs.summarize(runs.read_metrics(out)).step_ms:.1f}"})
@@ -268,7 +293,7 @@ def main() -> None:
     chosen = variants([every[name] for name in args.configs] if args.configs else [] if args.merge
                       else list(every.values()), args)
     model = runs.model_args(args)
-    tokens_per_step = args.batch_size * args.block_size * 4
+    tokens_per_step = args.batch_size * args.block_size * RANKS
     curves_campaign = campaign.Campaign(args.csv.with_name(args.csv.stem + "_curves.csv"), CURVE_FIELDS,
                                         (*KEY, "step"))
 
@@ -288,14 +313,15 @@ def main() -> None:
         curves_campaign.add(*campaign.read_csv(other.with_name(other.stem + "_curves.csv")), show=False)
         finals.add(*({field: row.get(field, "") for field in FIELDS} for row in campaign.read_csv(other)), show=False)
     print(f"localsteps: {len(chosen)} configs × {len(args.lr_factors)} lrs × seeds {args.seeds}; {args.steps} steps "
-          f"of {tokens_per_step:,} tokens; 2 × 2 ranks", flush=True)
+          f"of {tokens_per_step:,} tokens; {args.replicas} × {RANKS // args.replicas} ranks", flush=True)
     for config in chosen:
         method = config.method
         for factor in args.lr_factors:
             for seed in args.seeds:
                 lr, scalar_lr = method.lr * factor, method.scalar_lr
-                out = runs.local_run_dir(args.runs_dir / f"s{args.steps}", method, lr, None, seed, 2)
-                command = method.command(lr, None, seed, out, model, 2, 2)
+                per_node = RANKS // config.replicas
+                out = runs.local_run_dir(args.runs_dir / f"s{args.steps}", method, lr, None, seed, per_node)
+                command = method.command(lr, None, seed, out, model, config.replicas, per_node)
                 if not finals.attempt(f"{method.name} lr {lr:g} seed {seed}", lambda: campaign.run_local(
                         command, 4, out / "log.txt", args.run_timeout, reuse=True)):
                     continue
@@ -305,7 +331,8 @@ def main() -> None:
                 curves_campaign.add(*({**key, "step": step, "val_loss": f"{loss:.6f}", "replicate_bytes": sent,
                                        "compute_s": f"{seconds:.2f}"} for step, seconds, loss, sent in summary.curve),
                                     show=False)
-                finals.add({**key, "inner": config.inner, "H": config.H, "exchange": config.exchange,
+                finals.add({**key, "inner": config.inner, "H": config.H, "replicas": config.replicas,
+                            "exchange": config.exchange,
                             "outer_momentum": "" if config.outer_momentum is None else f"{config.outer_momentum:g}",
                             "outer_lr": "" if config.outer_lr is None else f"{config.outer_lr:g}",
                             "tokens": summary.steps * tokens_per_step, "final_val_loss": f"{summary.final_val_loss:.4f}",
