@@ -225,8 +225,8 @@ def plot(rows: list[dict], path: Path) -> None:
     horizons = sorted({int(r["steps"]) for r in rows})
     if not horizons:
         return
-    figure, axes = plt.subplots(1, len(horizons), figsize=(6 * len(horizons), 4.5), squeeze=False)
-    for axis, steps in zip(axes[0], horizons):
+    figure, axes = plt.subplots(len(horizons), 1, figsize=(11, 5 * len(horizons)), squeeze=False)
+    for axis, steps in zip(axes[:, 0], horizons):
         best = best_rows([r for r in rows if int(r["steps"]) == steps and r.get("bytes_per_token_vs_ddp_fp32")
                           and int(r.get("replicas") or REPLICAS) == REPLICAS])
         for index, row in enumerate(best):
@@ -235,7 +235,7 @@ def plot(rows: list[dict], path: Path) -> None:
                          color=plt.cm.tab20.colors[index % 20], label=row["method"])
         axis.set(xscale="log", xlabel="replicate bytes per token / DDP fp32's", ylabel="final val loss",
                  title=f"{steps} steps (best lr each; squares: every step)")
-        axis.legend(fontsize=6, ncol=2)
+        axis.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # beside the points
     figure.savefig(path, dpi=100, bbox_inches="tight")
 
 
