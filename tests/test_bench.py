@@ -151,7 +151,7 @@ def test_localsteps_rows_are_against_ddp_adamw_at_the_same_steps_in_link_bytes()
 def test_localsteps_on_four_replicas_counts_one_crossing_per_node_and_runs_a_4_by_1_mesh():
     """--replicas 4: four nodes of one rank, so one rank's counted bytes are its node's on the link (against
     two at the benchmark's 2 × 2); the method is named …_M4 and launched on a 4 × 1 mesh; DDP methods refused."""
-    rows = [_local_row("ddp_adamw", 10, "4.0", 8000), {**_local_row("local_x", 10, "3.9", 20)},
+    rows = [_local_row("ddp_adamw", 10, "4.0", 8000), _local_row("local_x", 10, "3.9", 20),
             {**_local_row("local_x_M4", 10, "3.9", 20), "replicas": "4"}]
     out = {r["method"]: r for r in localsteps.arrange(rows, {})}
     assert (out["local_x"]["replicas"], out["local_x"]["link_bytes_total"]) == (2, 40)
