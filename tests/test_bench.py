@@ -161,7 +161,7 @@ def test_localsteps_on_four_replicas_counts_one_crossing_per_node_and_runs_a_4_b
     config = localsteps.replicas_variant(every["local_muon_H30_sign_vote"], 4)
     assert (config.method.name, config.replicas) == ("local_muon_H30_sign_vote_M4", 4)
     assert localsteps.replicas_variant(every["local_muon_H30_sign_vote"], 2) == every["local_muon_H30_sign_vote"]
-    command = config.method.command(0.02, None, 0, Path("out"), [], config.replicas, localsteps.RANKS // 4)
+    command = config.method.command(0.02, None, 0, Path("out"), [], config.replicas, config.ranks_per_node)
     assert command[command.index("--replicate") + 1] == "4" and command[command.index("--shard") + 1] == "1"
     with pytest.raises(SystemExit, match="ddp_adamw has no outer loop"):
         localsteps.replicas_variant(every["ddp_adamw"], 4)

@@ -84,6 +84,10 @@ class Config:
     outer_lr: float | None = None
     replicas: int = REPLICAS
 
+    @property
+    def ranks_per_node(self) -> int:
+        return RANKS // self.replicas
+
 
 def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: float = 0.6,
                  block: int | None = None) -> Config:
@@ -259,9 +263,8 @@ def measure_step_times(chosen: list[Config], args, path: Path) -> None:
     for config in chosen:
         method = config.method
         out = args.runs_dir / f"quiet{args.steps}" / method.name.replace("/", "_")
-        command = method.command(method.lr, None, 0, out, runs.model_args(args), config.replicas,
-                                 RANKS // config.replicas)
-        if rows.attempt(method.name, lambda: campaign.run_local(command, 4, out / "log.txt", args.run_timeout)):
+        command = method.command(method.lr, None, 0, out, runs.model_args(args), config.replicas, config.ranks_per_node)
+        if rows.attempt(method.name, lambda: campaign.run_local(command, RANKS, out / "log.txt", args.run_timeout)):
             rows.add({"method": method.name, "steps": args.steps,
                       "step_ms": f"{runs.summarize(runs.read_metrics(out)).step_ms:.1f}"})
     rows.finish("--runs-dir")
@@ -319,11 +322,10 @@ def main() -> None:
         for factor in args.lr_factors:
             for seed in args.seeds:
                 lr, scalar_lr = method.lr * factor, method.scalar_lr
-                per_node = RANKS // config.replicas
-                out = runs.local_run_dir(args.runs_dir / f"s{args.steps}", method, lr, None, seed, per_node)
-                command = method.command(lr, None, seed, out, model, config.replicas, per_node)
+                out = runs.local_run_dir(args.runs_dir / f"s{args.steps}", method, lr, None, seed, config.ranks_per_node)
+                command = method.command(lr, None, seed, out, model, config.replicas, config.ranks_per_node)
                 if not finals.attempt(f"{method.name} lr {lr:g} seed {seed}", lambda: campaign.run_local(
-                        command, 4, out / "log.txt", args.run_timeout, reuse=True)):
+                        command, RANKS, out / "log.txt", args.run_timeout, reuse=True)):
                     continue
                 summary = runs.summarize(runs.read_metrics(out))
                 key = {"method": method.name, "lr": f"{lr:g}", "scalar_lr": method.scalar_lr_text(scalar_lr),
