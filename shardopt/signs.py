@@ -8,10 +8,11 @@ import torch
 
 
 
-def _bit_weights(device) -> torch.Tensor:
-    """(1, 2, 4, …, 128) as uint8, made on `device` (no host-to-device copy inside a step)."""
-    return torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=device),
-                                    torch.arange(8, dtype=torch.uint8, device=device))
+def _unpack_table(device) -> torch.Tensor:
+    """(256, 8) bool: row b holds the bits of the byte b, least significant first (made on `device`: no
+    host-to-device copy inside a step)."""
+    byte = torch.arange(256, dtype=torch.int32, device=device)
+    return (byte[:, None] >> torch.arange(8, dtype=torch.int32, device=device)) & 1 != 0
 
 
 def positive_signs(U: torch.Tensor) -> torch.Tensor:
@@ -32,19 +33,23 @@ def padded_length(n: int, multiple: int) -> int:
 def pack_signs(positive: torch.Tensor, pad_to: int = 8) -> torch.Tensor:
     """Pack a flat bool tensor (n,) into uint8 (ceil(n/pad_to)·pad_to/8,), bit i of byte k = entry 8k+i.
 
-    Padding entries (beyond n) are zeros (−1); `pad_to` must be a multiple of 8.
+    Padding entries (beyond n) are zeros (−1); `pad_to` must be a multiple of 8. Bit by bit with shifts
+    and ors on (n/8,) bytes (faster on a CPU than weighting and summing (n/8, 8)).
     """
     n = positive.numel()
     bits = torch.zeros(padded_length(n, pad_to), dtype=torch.uint8, device=positive.device)
     bits[:n] = positive.reshape(-1)
-    bits.view(-1, 8).mul_(_bit_weights(positive.device))
-    return bits.view(-1, 8).sum(dim=1, dtype=torch.uint8)   # distinct powers of two: no carry
+    columns = bits.view(-1, 8)
+    packed = columns[:, 0].clone()
+    for bit in range(1, 8):
+        packed.bitwise_or_(columns[:, bit] << bit)
+    return packed
 
 
 def unpack_signs(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
-    """Inverse of pack_signs on the last dim: uint8 (..., k) → bool (..., 8k), cut to n if given."""
-    weights = _bit_weights(packed.device)
-    bits = (packed.unsqueeze(-1) & weights) != 0
+    """Inverse of pack_signs on the last dim: uint8 (..., k) → bool (..., 8k), cut to n if given; one row
+    of a 256 × 8 table per byte (index_select: faster on a CPU than masking and comparing every bit)."""
+    bits = _unpack_table(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
     bits = bits.reshape(*packed.shape[:-1], -1)
     return bits if n is None else bits[..., :n]
 
@@ -70,7 +75,8 @@ def majority(positive_counts: torch.Tensor, voters, tie_break: torch.Tensor | No
     `voters`: an int (every entry), or a tensor the shape of positive_counts in its dtype (how many
     replicas voted on each entry, c ≤ voters; 0 ⇒ V = 0: nobody voted). Ties (2c = voters > 0) give 0
     when tie_break is None, else tie_break (a ±1 tensor the shape of positive_counts). Returns int8
-    in {−1, 0, +1}.
+    in {−1, 0, +1}. A tie is taken by adding tie_break · [tie] to V (0 there): int8 arithmetic, faster on
+    a CPU than torch.where.
     """
     if isinstance(voters, int):
         half = voters // 2
@@ -81,7 +87,7 @@ def majority(positive_counts: torch.Tensor, voters, tie_break: torch.Tensor | No
         V = (positive_counts > negative_counts).to(torch.int8).sub_((positive_counts < negative_counts).to(torch.int8))
         tie = (V == 0) & (voters > 0)
     if tie_break is not None:
-        V = torch.where(tie, tie_break.to(torch.int8), V)
+        V.add_(tie_break.to(torch.int8) * tie)
     return V
 
 

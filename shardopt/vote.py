@@ -80,10 +80,12 @@ def abstain_seed(seed: int) -> int:
 
 def _with_abstentions(positive: torch.Tensor, abstain: torch.Tensor | None, seed: int) -> torch.Tensor:
     """A 1-bit format cannot carry a zero: where this replica abstains it sends its own coin
-    (reusing the tie coin would let an abstainer decide every tie)."""
+    (reusing the tie coin would let an abstainer decide every tie): positive ⊕ ((positive ⊕ coin) ∧ abstain),
+    bool ops (faster than torch.where on a CPU)."""
     if abstain is None:
         return positive
-    return torch.where(abstain, coin(positive.numel(), abstain_seed(seed), positive.device) > 0, positive)
+    heads = coin(positive.numel(), abstain_seed(seed), positive.device) > 0
+    return positive ^ ((positive ^ heads) & abstain)
 
 
 def flag_bytes(matrices: int) -> int:
