@@ -38,8 +38,8 @@ overlap_backward: start each bucket's momentum → direction → exchange during
     max_grad_norm > 0 (clipping scales every gradient by a factor that needs the global norm, known
     only after backward: ValueError). Gradient accumulation: run the backward of every micro-batch but
     the last under `optimizer.accumulating()` (or, under DDP, under `model.no_sync()` after
-    `optimizer.accumulate_under_no_sync(model)`). The DeepSpeed plugin refuses it (the engine owns the
-    gradients until engine.step()). Settable between steps, alike on every rank.
+    `optimizer.accumulate_under_no_sync(model)`). The DeepSpeed plugin takes it at ZeRO stage 0 in fp32
+    without clipping (shardopt/deepspeed/optimizers.py). Settable between steps, alike on every rank.
 
 Which params a step updates is agreed by all ranks: those with a gradient on at least one rank.
 A rank without a local gradient for such a param steps it with a zero gradient (it joins the same
@@ -228,11 +228,8 @@ class ShardOptimizer(torch.optim.Optimizer):
     def overlap_backward(self, value: bool) -> None:
         if not isinstance(value, bool):
             raise ValueError(f"Invalid overlap_backward: {value!r}; it must be True or False (the default)")
-        if value and self.max_norm > 0:
-            raise ValueError(f"overlap_backward=True needs max_grad_norm=0 (got {self.max_norm:g}): clipping scales "
-                             f"every gradient by min(1, max_grad_norm/ν), and ν, the global norm, is known only after "
-                             f"backward, before which no bucket's direction can start; pass overlap_backward=False "
-                             f"to clip, or max_grad_norm=0 to overlap")
+        if value and (refusal := self._overlap_refusal()) is not None:
+            raise ValueError(refusal)
         if self._round is not None and self._round.started():
             raise RuntimeError("overlap_backward can change only between step() and the next backward: this "
                                "backward's exchange has started; call step() first")
@@ -244,6 +241,15 @@ class ShardOptimizer(torch.optim.Optimizer):
         self._overlap = value
         if value:
             self._hook_gradients([p for group in self.param_groups for p in group["params"]])
+
+    def _overlap_refusal(self) -> str | None:
+        """Why overlap_backward=True cannot be set on this optimizer, or None."""
+        if self.max_norm > 0:
+            return (f"overlap_backward=True needs max_grad_norm=0 (got {self.max_norm:g}): clipping scales every "
+                    f"gradient by min(1, max_grad_norm/ν), and ν, the global norm, is known only after backward, "
+                    f"before which no bucket's direction can start; pass overlap_backward=False to clip, or "
+                    f"max_grad_norm=0 to overlap")
+        return None
 
     def _reset_overlap_runtime(self) -> None:
         self._hooks: list = []
@@ -347,9 +353,10 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip every rank's local gradients in place by one agreed factor; returns the agreed norm ν
-        (a 0-d tensor, no device sync). See `shardopt.clipping.clip_grad_norm_`. Not with overlap_backward:
-        the exchange during backward has read the gradients already (RuntimeError)."""
-        if self._overlap:
+        (a 0-d tensor, no device sync). See `shardopt.clipping.clip_grad_norm_`. Not with overlap_backward and
+        max_norm > 0: the exchange during backward has read the gradients already (RuntimeError); max_norm 0
+        reads the norm only."""
+        if self._overlap and max_norm > 0:
             raise RuntimeError("clip_grad_norm_ with overlap_backward=True: the exchange during backward has read the "
                                "gradients before they could be clipped; set optimizer.overlap_backward = False (every "
                                "rank) to clip, or pass max_grad_norm= when building the optimizer")

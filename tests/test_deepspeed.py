@@ -9,6 +9,8 @@ Two gloo ranks (one worker pool for the module), CPU accelerator. Pinned here:
 - bf16 and fp16 train (loss goes down); under fp16 the gradient carries the loss scale exactly once;
   an inf gradient on one rank skips the step on both, optimizer state and weights untouched.
 - Gradient accumulation 4 equals one step on the 4× batch; the exchange happens only at the boundary.
+- overlap_backward through the engine (fp32, ZeRO 0): weights and state bitwise those without it, the
+  exchange started in the boundary's backward; bf16, clipping and ZeRO 1 refuse it, naming the setting.
 - engine.save_checkpoint at step 5 → a fresh engine loads it → steps 6-10 equal the saving run.
 - ZeRO 1/2/3, unknown optimizer params and a scheduler that would overwrite per-group lrs → clear errors;
   a non-shardopt optimizer type passes through to deepspeed.initialize unchanged.
@@ -304,6 +306,58 @@ def test_gradient_accumulation_equals_one_step_on_the_4x_batch(pool):
         assert diff <= 1e-6
         assert calls_before_boundary == [0, 0, 0]
         assert global_steps == 3
+
+
+def _overlap_equals_plain(optimizer, gas):
+    """overlap_backward on and off through the engine (fp32, ZeRO 0, `gas` micro-batches a step): weights and
+    optimizer state after 3 steps, and how many bucket steps had started when each engine.backward returned."""
+    _env()
+    params = DION if optimizer == "Dion" else SIGNMUON
+    engines = [sds.initialize(model=_model(), config=_config(optimizer, {**params, "overlap_backward": on},
+                                                            micro=8 // gas, gas=gas))[0] for on in (False, True)]
+    started = []
+    for step in range(3):
+        x, y = _batch(step)
+        for engine in engines:
+            ours = sds.shard_optimizer(engine)
+            for micro in range(gas):
+                rows = slice(micro * 8 // gas, (micro + 1) * 8 // gas)
+                engine.backward(_loss(engine, x[rows], y[rows]))
+                if ours.overlap_backward:
+                    started.append(ours._round.started() if ours._round is not None else 0)
+                engine.step()
+    plain, overlapped = (sds.shard_optimizer(engine) for engine in engines)
+    same_state = all(torch.equal(a, b) for p, q in zip(plain._slots(), overlapped._slots())
+                     for a, b in zip(plain.state[p].values(), overlapped.state[q].values()))
+    return (_max_diff(_weights(engines[0].module), _weights(engines[1].module)), same_state, started,
+            overlapped.replicas_consistent())
+
+
+@pytest.mark.parametrize("optimizer,gas", [("Dion", 2), ("SignMuon", 1)])
+def test_overlap_backward_through_the_engine_equals_the_plain_step(pool, optimizer, gas):
+    for diff, same_state, started, consistent in pool.run(_overlap_equals_plain, optimizer, gas, timeout_s=TIMEOUT_S):
+        assert diff == 0 and same_state and consistent
+        # the bucket steps start in the boundary's backward, none in an earlier micro-batch's
+        assert all(count > 0 for count in started[gas - 1::gas]), started
+        assert all(count == 0 for index, count in enumerate(started) if index % gas != gas - 1), started
+
+
+def _overlap_refused(precision, extra):
+    _env()
+    try:
+        sds.initialize(model=_model(), config=_config("SignMuon", {**SIGNMUON, "overlap_backward": True},
+                                                      precision=precision, **extra))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("precision,extra,named", [
+    ("bf16", {}, '"bf16" and "fp16" off'), ("fp32", {"gradient_clipping": 1.0}, '"gradient_clipping": 0'),
+    ("fp32", {"zero_optimization": {"stage": 1}, "shardopt": {"mesh": {"replicate": 1, "shard": 2}}}, "ZeRO stage 0")])
+def test_overlap_backward_where_the_engine_changes_gradients_after_backward_is_refused(pool, precision, extra, named):
+    for message in pool.run(_overlap_refused, precision, extra, timeout_s=TIMEOUT_S):
+        assert message is not None and named in message and "overlap_backward" in message, message
 
 
 def _checkpoint_resume(directory, optimizer, precision):

@@ -13,6 +13,11 @@ from ..placement import local
 from .zero import ZeroPartition
 
 
+LOW_PRECISION_OVERLAP = ("overlap_backward under DeepSpeed needs fp32 (\"bf16\" and \"fp16\" off): DeepSpeed's "
+                         "fp16/bf16 wrapper copies the gradients into the fp32 master weights the optimizer steps in "
+                         "engine.step(), after backward; remove overlap_backward from the optimizer params")
+
+
 class _EngineSide:
     """What a shardopt optimizer needs under a DeepSpeed engine (mixed into Dion and SignMuon).
 
@@ -20,6 +25,10 @@ class _EngineSide:
     zero_stage, node_mesh: ZeRO stage (0, 1, 2) and the process group of this rank's node (the "node"
         axis of zero.py); node_mesh=None: no node axis (stage 0, every data-parallel rank a replica).
     reduce_bucket_size: stage 2, the most elements of gradients in flight to their owners during backward.
+    overlap_backward: each bucket's exchange starts during engine.backward (docs/design.md §12; engine.backward
+        runs the micro-batches before the accumulation boundary under `accumulating()`). Only at ZeRO stage 0
+        without a "shardopt" mesh, in fp32, without gradient_clipping: elsewhere the engine changes the
+        gradients after backward (ValueError naming the setting).
 
     Global gradient norm (clipping, and engine.get_global_grad_norm() for logging), every step:
         ν = mean over replicas of ‖g_replica‖₂, ‖g_replica‖₂² = Σ over the node's ranks of ‖owned g_node‖²
@@ -32,11 +41,6 @@ class _EngineSide:
 
     def __init__(self, params, *args, max_grad_norm: float = 0.0, zero_stage: int = 0,
                  reduce_bucket_size: int = 500_000_000, node_mesh=None, overlap_backward: bool = False, **kwargs):
-        if overlap_backward:
-            raise ValueError("overlap_backward=True is not available under DeepSpeed: the engine owns the gradients "
-                             "until engine.step() (it unscales fp16/bf16 gradients into the fp32 master copies there, "
-                             "ZeRO 1/2 reduces them to their owners, the agreed clipping norm needs all of them), so "
-                             "none is final during backward; leave overlap_backward out of the config")
         if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm >= 0):
             raise ValueError(f"Invalid gradient_clipping: {max_grad_norm!r}; it must be a number ≥ 0")
         if zero_stage not in (0, 1, 2):
@@ -53,6 +57,23 @@ class _EngineSide:
                  for p in group["params"]]
         self.zero = ZeroPartition([p.shape for p in self._slots()], self.node, zero_stage, costs) \
             if node_mesh is not None else None
+        self.overlap_backward = overlap_backward
+
+    def _overlap_refusal(self) -> str | None:
+        """The exchange during backward reads each gradient when backward has made it: only where the engine
+        leaves it as it is until engine.step() (ZeRO stage 0 without a node mesh, fp32, no clipping)."""
+        if self.max_grad_norm > 0:
+            return (f"overlap_backward under DeepSpeed needs \"gradient_clipping\": 0 (got {self.max_grad_norm:g}): "
+                    f"the agreed clip factor needs every gradient, known only after backward; remove "
+                    f"overlap_backward from the optimizer params to clip")
+        if self.zero is not None:
+            return (f"overlap_backward under DeepSpeed needs ZeRO stage 0 without a \"shardopt\" mesh (got stage "
+                    f"{self.zero.stage} on a node of {self.node.size} ranks): the node's gradients are averaged or "
+                    f"reduced to their owners in engine.step(), after backward; remove overlap_backward from the "
+                    f"optimizer params, or the mesh and zero_optimization")
+        if self.wiring is not None and self.wiring.wrapper is not None:
+            return LOW_PRECISION_OVERLAP
+        return super()._overlap_refusal()
 
     def _slots(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]

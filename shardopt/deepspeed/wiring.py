@@ -9,7 +9,7 @@ inert: a step on non-zero gradients raises). What is changed, and why (shardopt/
 | object | attribute | change |
 |---|---|---|
 | engine | `enable_backward_allreduce` | False: backward leaves local gradients, the optimizer exchanges |
-| engine | `backward` | fp16: the loss scale (DeepSpeed#8393); ZeRO 2: each gradient reduced to its owner |
+| engine | `backward` | fp16: the loss scale (DeepSpeed#8393); ZeRO 2: each gradient reduced to its owner; before the accumulation boundary under `optimizer.accumulating()` (overlap_backward) |
 | engine | `save_checkpoint`, `load_checkpoint` | ZeRO 1/2: each rank's own partition next to DeepSpeed's files; local steps: each rank's optimizer state and params |
 | fp16/bf16 wrapper | `overflow_checker` | a check agreed over all data-parallel ranks |
 | fp16/bf16 wrapper | `checkpoint_event_prologue` | the momenta averaged before DeepSpeed gathers the state |
@@ -20,6 +20,7 @@ inert: a step on non-zero gradients raises). What is changed, and why (shardopt/
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -57,7 +58,7 @@ class EngineWiring:
     def __init__(self, engine, optimizer):
         from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-        from .optimizers import AgreedOverflowCheck, DeepSpeedLocalSteps, engine_side
+        from .optimizers import LOW_PRECISION_OVERLAP, AgreedOverflowCheck, DeepSpeedLocalSteps, engine_side
 
         if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
             raise NotImplementedError("shardopt optimizers under DeepSpeed do not support torch_autocast with float16 "
@@ -72,6 +73,8 @@ class EngineWiring:
                                       f"shardopt supports fp32, bf16 or fp16 with DeepSpeed given ZeRO stage 0")
         self.engine, self.optimizer = engine, optimizer   # what the engine steps (a LocalSteps or the Dion/Sign-Muon)
         self.side = side = engine_side(optimizer)         # the Dion / Sign-Muon
+        if side.overlap_backward and wrapper is not optimizer:
+            raise ValueError(LOW_PRECISION_OVERLAP)
         self.local_steps = isinstance(optimizer, DeepSpeedLocalSteps)
         self.wrapper = wrapper if wrapper is not optimizer else None
         self.patches = Patches()
@@ -169,15 +172,16 @@ class EngineWiring:
           gradient_accumulation_steps (loss_scale without scale_wrt_gas), whatever the engine multiplies
           the loss by, as DeepSpeed's fp16 wrapper expects when it unscales in step.
         - ZeRO stage 2: during backward each fresh local gradient goes to its owner (zero.BackwardReducer);
-          after it the owned node means are added to the owned gradients kept from earlier micro-batches."""
+          after it the owned node means are added to the owned gradients kept from earlier micro-batches.
+        - A micro-batch before the accumulation boundary runs under `optimizer.accumulating()`, so that with
+          overlap_backward the exchange starts in the boundary's backward only (without it: nothing). Unmanaged
+          accumulation (managed_gradient_accumulation false) has no boundary in backward: step() exchanges."""
         engine, optimizer = self.engine, self.side
         fp16 = engine.fp16_enabled()
         reducer = None
         if optimizer.zero is not None and optimizer.zero.stage == 2:
             reducer = BackwardReducer(optimizer.zero, model_params, optimizer.reduce_bucket_size)
             self.hooks = reducer.hooks
-        if not fp16 and reducer is None:
-            return
         original = engine.backward
         signature = inspect.signature(internals.unwrapped(type(engine).backward))
 
@@ -193,7 +197,8 @@ class EngineWiring:
                     param.grad = None
                 reducer.begin()
             try:
-                result = original(loss, *args, **kwargs)
+                with contextlib.nullcontext() if engine.is_gradient_accumulation_boundary() else optimizer.accumulating():
+                    result = original(loss, *args, **kwargs)
             finally:
                 if handle is not None:
                     handle.remove()
