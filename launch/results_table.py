@@ -120,6 +120,18 @@ SOURCES = {
         "losses) and Sign-Muon with 3 Polar Express steps (…_ns3_polar_express); with 2, the local-steps config of "
         "the README (H = 10, sign_mean block 128, outer lr 0.7, momentum 0) with the exchange waited on and one "
         "round late (…_overlap). Target: `ddp_adamw`'s final val loss without a limit at the same procs per node."),
+    "slowlink_vote_bits.csv": (
+        "sudo python launch/bench/slowlink.py --lr-from results/convergence.csv --procs-per-node 1 --rates 100mbit "
+        "10mbit --methods ddp_adamw signmuon_lion --ns-steps 3 --ns-coefficients polar_express "
+        "--csv results/slowlink_vote_bits.csv",
+        "Sign-Muon + Lion against `ddp_adamw` on two emulated nodes (the 4 ms token bucket, 1 process per node), "
+        "one campaign after the vote's bit work got cheaper (5462172: the same values, less CPU time), with "
+        "Sign-Muon + Lion on 3 Polar Express steps (…_ns3_polar_express)."),
+    "step_split.csv": ("python launch/bench/step_split.py --ns-steps 3 --ns-coefficients polar_express",
+                       "Where the optimizer step's time goes (2 replicas of one process, this machine, no link "
+                       "limit): each op's self CPU time in the profiled steps (torch.profiler), summed by category, "
+                       "and its share of the profiled optimizer step; step_ms and opt_step_ms are the unprofiled "
+                       "steps' medians (the DDP script logs no optimizer time)."),
     "step_memory.csv": ("python launch/bench/step_memory.py --llama1b",
                         "The RSS high-water mark of one step above the steady state, a fresh process per row, one "
                         "thread."),

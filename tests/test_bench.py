@@ -17,6 +17,7 @@ import convergence  # noqa: E402
 import localsteps  # noqa: E402
 import runs  # noqa: E402
 import slowlink  # noqa: E402
+import step_split  # noqa: E402
 from shardopt.comm import collective_bytes  # noqa: E402
 
 M, N = 48, 32    # the test model: Linear(N → M) with bias: a 48×32 matrix and a 48-vector
@@ -422,3 +423,36 @@ def test_slowlink_catalogue_takes_per_step_and_local_methods_at_the_best_lrs_wit
     _, args = slowlink.parse_arguments(["--methods", "ddp_adamw", "local_adam"])
     with pytest.raises(SystemExit, match=r"--methods: unknown local_adam; known: ddp_adamw.*muloco_H30"):
         slowlink.catalogue(args, {})
+
+
+def test_step_profile_sums_the_ops_of_the_profiled_steps_only_and_the_time_outside_them(tmp_path):
+    sys.path.insert(0, str(ROOT / "integrations"))
+    from step_profile import OUTSIDE, StepProfile
+    profile = StepProfile(first=2, last=3)
+    a = torch.randn(64, 64)
+    for step in range(1, 6):
+        with profile.step(step):
+            for _ in range(3):
+                torch.mm(a, a)
+    rows = profile.rows()
+    by_op = {row["op"]: row for row in rows}
+    assert profile.steps == 2 and by_op["aten::mm"]["calls_per_step"] == "3"     # steps 2 and 3, 3 products each
+    assert rows[-1]["op"] == OUTSIDE and float(rows[0]["ms_per_step"]) >= float(rows[1]["ms_per_step"])
+    total = sum(float(row["ms_per_step"]) for row in rows)        # ops + outside = the profiled steps' wall time
+    assert abs(total - 1000 * profile.wall_s / profile.steps) < 0.01
+    profile.write(tmp_path / "p.csv")
+    assert [row["op"] for row in campaign.read_csv(tmp_path / "p.csv")] == [row["op"] for row in rows]
+    with pytest.raises(ValueError, match="1 ≤ FIRST ≤ LAST"):
+        StepProfile(first=3, last=2)
+
+
+def test_step_split_puts_each_op_in_one_category_and_sums_them():
+    cases = {"aten::baddbmm": 0, "aten::linalg_qr": 1, "c10d::allgather_base_": 2, "aten::random_": 3,
+             "aten::bitwise_and": 4, "aten::__lshift__": 4, "aten::copy_": 5, "aten::view": 6, "aten::lerp_": 7,
+             "(outside any op)": 8, "Optimizer.step#SignMuon.step": 8}
+    for op, index in cases.items():
+        assert step_split.category(op) == step_split.CATEGORIES[index], op
+    totals = step_split.split([{"op": "aten::bmm", "ms_per_step": "2.5"}, {"op": "aten::mm", "ms_per_step": "1"},
+                               {"op": "aten::gt", "ms_per_step": "0.5"}])
+    assert totals[step_split.CATEGORIES[0]] == 3.5 and totals[step_split.CATEGORIES[4]] == 0.5
+    assert sum(totals.values()) == 4.0 and list(totals) == step_split.CATEGORIES

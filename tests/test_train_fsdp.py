@@ -96,10 +96,16 @@ def test_dion_between_replicas_lowers_the_loss_and_logs_bytes(whole_runs):
     assert all(int(r["replicate_bytes_per_step"]) > 0 for r in rows[1:])
 
 
-def test_signmuon_inside_fsdp_lowers_the_loss(data_dir, tmp_path):
-    train(data_dir, tmp_path, "--optimizer", "signmuon", "--replicate", "1", "--shard", "2", "--steps", "20")
+def test_signmuon_inside_fsdp_lowers_the_loss_and_profiles_the_chosen_steps(data_dir, tmp_path):
+    train(data_dir, tmp_path, "--optimizer", "signmuon", "--replicate", "1", "--shard", "2", "--steps", "20",
+          "--profile-optimizer", "11", "14")
     rows = assert_learns(tmp_path)
     assert all(int(r["replicate_bytes_per_step"]) == 0 for r in rows[1:])
+    with (tmp_path / "optimizer_profile.csv").open() as f:
+        profile = {row["op"]: row for row in csv.DictReader(f)}
+    # Newton–Schulz's batched products, a few a step; the last row is the time outside any op
+    assert float(profile["aten::baddbmm"]["ms_per_step"]) > 0 and float(profile["aten::baddbmm"]["calls_per_step"]) >= 5
+    assert list(profile)[-1] == "(outside any op)"
 
 
 def test_mismatched_mesh_is_a_clear_error(data_dir):

@@ -58,6 +58,7 @@ import checkpoint  # noqa: E402  (integrations/fsdp/checkpoint.py, beside this s
 import data  # noqa: E402
 import shardopt  # noqa: E402
 import training  # noqa: E402
+import step_profile  # noqa: E402
 import world  # noqa: E402  (integrations/fsdp/world.py)
 from shardopt.polar import SCHEDULES  # noqa: E402
 from shardopt.vote import resolve_vote  # noqa: E402
@@ -100,6 +101,7 @@ parser.add_argument("--clip", type=float, metavar="MAX", help="clip gradients to
                     "over all ranks (the optimizer's max_grad_norm; 0: off)")
 parser.add_argument("--overlap-backward", choices=("on", "off"), help="start each bucket's exchange during "
                     "backward (the optimizer's overlap_backward; docs/design.md §12)")
+step_profile.add_argument(parser)
 parser.add_argument("--stop-at", type=int, help="stop after this step (e.g. to resume later)")
 parser.add_argument("--checkpoint-every", type=int, help="0: no checkpoints")
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
@@ -253,6 +255,7 @@ totals = dict(steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
 progress = tqdm(range(start_step + 1, end_step + 1), initial=start_step, total=end_step, desc=args.optimizer,
                 unit="step", disable=not master, mininterval=1.0, dynamic_ncols=True)
 replicas_checked_at = start_step
+profile = step_profile.StepProfile(*args.profile_optimizer) if args.profile_optimizer and master else None
 for step in progress:
     tick = time.perf_counter()
     lr = scheduler.get_last_lr()[0]   # this step's lr of the 2-D weights
@@ -266,7 +269,8 @@ for step in progress:
     if device.type == "cuda":
         torch.cuda.synchronize()
     opt_tick = time.perf_counter()
-    opt.step()        # clips (--clip), exchanges over the replicate axis, updates
+    with profile.step(step) if profile else contextlib.nullcontext():
+        opt.step()    # clips (--clip), exchanges over the replicate axis, updates
     scheduler.step()
     opt.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -315,6 +319,10 @@ for step in progress:
         checkpoint.save(checkpoints, step, model, opt, scheduler, replica)
 progress.close()
 metrics.close()
+if profile:
+    profile.write(args.out_dir / step_profile.PROFILE_CSV)
+    log(f"profile: opt.step() of steps {profile.first}..{profile.last} on rank 0: "
+        f"{args.out_dir / step_profile.PROFILE_CSV}")
 
 # ---- summary, plot ------------------------------------------------------------------------------
 dist.barrier()

@@ -15,6 +15,7 @@ LOCAL_WORLD_SIZE), so one machine can stand for several nodes (--standalone with
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "integrations"), str(ROOT / "launch" / "bench")]
 import data  # noqa: E402
 import peers  # noqa: E402
+import step_profile  # noqa: E402
 import training  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -41,6 +43,7 @@ parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks that
                     "(default: LOCAL_WORLD_SIZE); sets which groups count as between nodes and localsgd's groups")
 training.add_gpt_arguments(parser)
 parser.add_argument("--out-dir", type=Path, required=True)
+step_profile.add_argument(parser)
 args = training.parse_args(parser, training.GPT_DEFAULTS)
 
 dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
@@ -67,6 +70,7 @@ metrics.add({"step": 0, "tokens": 0, "val_loss": f"{training.evaluate(model, bat
 peer.sent()                                                     # not the evaluation's
 loop_started = time.perf_counter()
 window = dict(loss=0.0, steps=0, seconds=0.0, between=0, within=0)
+profile = step_profile.StepProfile(*args.profile_optimizer) if args.profile_optimizer and master else None
 for step in range(1, args.steps + 1):
     tick = time.perf_counter()
     lr = training.lr_multiplier(step, args.warmup, args.steps)
@@ -75,7 +79,8 @@ for step in range(1, args.steps + 1):
         group["lr"] = group["base_lr"] * lr
     _, loss = peer.net(*batches("train", step))
     loss.backward()
-    peer.step()
+    with profile.step(step) if profile else contextlib.nullcontext():
+        peer.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
     window["seconds"] += time.perf_counter() - tick
@@ -98,5 +103,7 @@ for step in range(1, args.steps + 1):
                   + f", step {row['step_ms']} ms, replicate {row['replicate_bytes_per_step']:,} B/step", flush=True)
         window = dict(loss=0.0, steps=0, seconds=0.0, between=0, within=0)
 peer.close()
+if profile:
+    profile.write(args.out_dir / step_profile.PROFILE_CSV)
 dist.barrier()
 dist.destroy_process_group()
