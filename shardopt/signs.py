@@ -11,8 +11,8 @@ import torch
 def _unpack_table(device) -> torch.Tensor:
     """(256, 8) bool: row b holds the bits of the byte b, least significant first (made on `device`: no
     host-to-device copy inside a step)."""
-    byte = torch.arange(256, dtype=torch.int32, device=device)
-    return (byte[:, None] >> torch.arange(8, dtype=torch.int32, device=device)) & 1 != 0
+    byte = torch.arange(256, dtype=torch.uint8, device=device)
+    return (byte[:, None] >> torch.arange(8, dtype=torch.uint8, device=device)) & 1 != 0
 
 
 def positive_signs(U: torch.Tensor) -> torch.Tensor:
