@@ -6,8 +6,9 @@
         opt.step()
     profile.write(out_dir / PROFILE_CSV)
 
-Columns: op (an aten/c10d op, as torch.profiler's key_averages names it), ms_per_step (its self CPU time,
-the time inside it but not inside the ops it calls, over the profiled steps), calls_per_step. One more row,
+Columns: op (an aten/c10d op, or a record_function scope such as torch.optim's "Optimizer.step#SignMuon.step",
+as torch.profiler's key_averages names them), ms_per_step (its self CPU time, the time inside it but not
+inside the ops it calls, over the profiled steps: for a scope, its Python), calls_per_step. One more row,
 "(outside any op)", is the profiled steps' wall time less every op's self time: Python, and waiting for
 another rank's part of a collective (gloo's wait is not an op), and the profiler's own overhead. CPU ops
 only: on a GPU the times are launch costs, not kernels (use torch.profiler's trace there). A profiled

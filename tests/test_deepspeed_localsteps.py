@@ -4,6 +4,7 @@ Two gloo ranks (one worker pool for the module), CPU accelerator, every rank a r
 - fp32: the engine's run equals shardopt.LocalSteps around Sign-Muon (no replicate axis) driven by a
   plain backward, weights and replicate bytes; the inner steps send 0 bytes on the replicate axis,
   the syncs the format's bytes; the replicas are bitwise equal after a sync and differ between syncs.
+- fp32 with the inner optimizer's overlap_backward: bitwise the weights without it, work started in backward.
 - bf16: trains (loss goes down); an inf gradient on one rank skips that replica's inner step only
   (nothing crosses the replicas), the step still counts towards the round, and both reach the
   next sync together and end bitwise equal.
@@ -82,6 +83,29 @@ def test_fp32_engine_equals_local_steps_and_sends_only_at_syncs(pool):
         assert [sent[i] for i in (0, 1, 3, 4, 6)] == [0] * 5, sent     # the inner steps send nothing
         assert sent[5] == sync_bytes and sent[2] > sync_bytes, sent   # (the first: + the double-averaging check)
         assert consistent == [False, False, True, False, False, True, False], consistent
+
+
+def _overlap_backward_inside_local_steps():
+    """The inner Sign-Muon with overlap_backward (fp32, ZeRO 0): the same weights as without, bitwise."""
+    _env()
+    engines = [sds.initialize(model=_model(), config=_config("SignMuon", {**SIGNMUON, "overlap_backward": on},
+                                                            shardopt={"local_steps": LOCAL_STEPS}))[0]
+               for on in (False, True)]
+    started = []
+    for step in range(2 * H + 1):
+        for engine in engines:
+            engine.backward(_loss(engine, *_batch(step)))
+            inner = sds.shard_optimizer(engine).inner
+            if inner.overlap_backward:
+                started.append(inner._round.started() if inner._round is not None else 0)
+            engine.step()
+    return _max_diff(_weights(engines[0].module), _weights(engines[1].module)), started
+
+
+def test_overlap_backward_of_the_inner_optimizer_keeps_local_steps_bitwise(pool):
+    for diff, started in pool.run(_overlap_backward_inside_local_steps, timeout_s=TIMEOUT_S):
+        assert diff == 0
+        assert all(count > 0 for count in started), started    # the inner step's work began in backward
 
 
 def _bf16_trains_and_one_replica_skips_alone():
