@@ -20,13 +20,12 @@ is of the profiled optimizer step. Prints the table and writes results/step_spli
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from campaign import ROOT, read_csv, run_local, write_csv
+from campaign import ROOT, print_table, read_csv, run_local, write_csv
 from runs import (add_model_arguments, add_polar_arguments, methods, model_args, newton_schulz_optimizer, polar_variants,
                   select)
 
@@ -63,7 +62,7 @@ def category(op: str) -> str:
         return CATEGORIES[1]
     if not op.startswith("aten::"):
         return CATEGORIES[2]
-    if "random" in op or "rand" in op or op == "aten::bernoulli_":
+    if "rand" in op or op == "aten::bernoulli_":
         return CATEGORIES[3]
     if op in SIGN_BITS:
         return CATEGORIES[4]
@@ -118,9 +117,7 @@ def main() -> None:
                              "opt_step_ms": "" if opt_step_ms is None else f"{opt_step_ms:.1f}", "category": name,
                              "ms_per_step": f"{ms:.2f}", "share": f"{ms / wall:.3f}"})
     write_csv(args.csv, FIELDS, rows)
-    print(" | ".join(FIELDS))
-    for row in rows:
-        print(" | ".join(row[field] for field in FIELDS))
+    print_table(rows)
     print(f"wrote {args.csv}; rerun: python launch/bench/step_split.py {' '.join(sys.argv[1:])}".rstrip())
 
 
