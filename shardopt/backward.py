@@ -42,10 +42,10 @@ def backward_order(units: list, position) -> list:
     return sorted(units, key=lambda item: -min(position(p) for p in unit_params(*item[-2:])))
 
 
-def gradient_snapshot(param) -> tuple:
-    """What identifies the gradient a step reads: the `.grad` object and its version counters (its
-    own and, for a DTensor, its local tensor's): any in-place change or reassignment changes them."""
-    grad = param.grad
+def gradient_snapshot(grad) -> tuple:
+    """What identifies the gradient a step reads (`param.grad`, or one handed to `Round.arrive`): the
+    object and its version counters (its own and, for a DTensor, its local tensor's): any in-place
+    change or reassignment changes them."""
     if grad is None:
         return (None,)
     return grad, grad._version, local(grad)._version
@@ -97,12 +97,14 @@ class Round:
     """One step's units during backward (see the module doc).
 
     units: the params each unit reads (plan.unit_params), in backward order; steps: one step generator per unit, drawn
-    lazily in that order (their reads go to `scratch`); planned: the set of params the plans were made
-    for; settings: the groups' settings when it was made (step() compares them); depth: units in flight."""
+    lazily in that order (their reads go to `scratch`, and a param's gradient is `delivered[param]` where
+    `arrive` was handed one, else `.grad`); planned: the set of params the plans were made for; settings: the
+    groups' settings when it was made (step() compares them); depth: units in flight."""
 
     def __init__(self, units: list, steps, scratch: Scratch, planned: set, settings: list, depth: int,
-                 stream=None):
+                 stream=None, delivered: dict | None = None):
         self.planned, self.settings, self.scratch, self.stream = planned, settings, scratch, stream
+        self.delivered = {} if delivered is None else delivered
         self._waiting = []
         self._units_of: dict = {}
         for index, params in enumerate(units):
@@ -117,12 +119,16 @@ class Round:
     def _ready(self, index: int) -> bool:
         return index >= len(self._waiting) or self._waiting[index] == 0
 
-    def arrive(self, param) -> None:
-        """`param`'s gradient is final: start what can start, advance what has its collective back."""
+    def arrive(self, param, grad: torch.Tensor | None = None) -> None:
+        """`param`'s gradient is final: start what can start, advance what has its collective back.
+        grad: the gradient, where it is not (yet) `param.grad` (ZeRO 2 under DeepSpeed: the node mean,
+        which `.grad` is set to after backward); step() then needs `param.grad` to be that very tensor."""
         if param in self._arrived:      # a second backward into the same gradient, outside accumulating()
             self.accumulated_again = True
             return
-        self._arrived[param] = gradient_snapshot(param)
+        if grad is not None:
+            self.delivered[param] = grad
+        self._arrived[param] = gradient_snapshot(grad if grad is not None else param.grad)
         for index in self._units_of.get(param, ()):
             self._waiting[index] -= 1
         with on_stream(self.stream), torch.no_grad():
@@ -130,10 +136,12 @@ class Round:
 
     def snapshot_gradients(self) -> None:
         """At the end of backward: record the gradients as backward left them (DDP copies its buckets
-        back into `.grad` after the hooks ran: the same values, a new version)."""
+        back into `.grad` after the hooks ran: the same values, a new version); a delivered gradient
+        keeps the snapshot it arrived with."""
         self.snapshot_queued = False
         for param in self._arrived:
-            self._arrived[param] = gradient_snapshot(param)
+            if param not in self.delivered:
+                self._arrived[param] = gradient_snapshot(param.grad)
 
     def finish(self) -> None:
         """Run every unit that is left to its end (blocking)."""
@@ -149,7 +157,7 @@ class Round:
         changed since the round began (`settings`: the groups' settings now)."""
         if self.accumulated_again:
             return "a second backward accumulated into gradients whose exchange had started"
-        changed = [param for param, snapshot in self._arrived.items() if not _same(snapshot, gradient_snapshot(param))]
+        changed = [param for param, snapshot in self._arrived.items() if not _same(snapshot, gradient_snapshot(param.grad))]
         if changed:
             return "gradients changed between backward and step() (clipping, unscaling, or a reassignment)"
         if settings != self.settings:

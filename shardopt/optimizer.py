@@ -190,13 +190,14 @@ class ShardOptimizer(torch.optim.Optimizer):
             found += [(index, record, plan, unit) for unit in units(plan)]
         return backward_order(found, self._param_index.__getitem__)
 
-    def _unit_steps(self, units_: list, read_param, read_state):
+    def _unit_steps(self, units_: list, read_param, read_state, delivered: dict | None = None):
         """The step generator of each unit, made lazily; read_param / read_state: where a param's
-        tensor and state are read and written (in place, or scratch)."""
+        tensor and state are read and written (in place, or scratch); delivered: gradients handed to
+        the round before they are `.grad` (backward.Round.arrive)."""
         readers = {}
         for index, record, plan, unit in units_:
             group = self.param_groups[index]
-            gradient = readers.setdefault(index, _gradient_reader(group["maximize"]))
+            gradient = readers.setdefault(index, _gradient_reader(group["maximize"], delivered))
             yield unit_step(record, group, plan, unit, read_param, gradient, read_state, self.exchange_axes,
                             lambda base, first: (base * 1_000_003 + int(read_state(first)["step"])) % 2**63)
 
@@ -289,12 +290,13 @@ class ShardOptimizer(torch.optim.Optimizer):
         if not any(model is ddp_model for model in self._no_sync_models):
             self._no_sync_models.append(ddp_model)
 
-    def _gradient_final(self, param) -> None:
-        """A param's post-accumulate-grad hook: unless accumulating, the round learns the gradient is final."""
+    def _gradient_final(self, param, grad: torch.Tensor | None = None) -> None:
+        """A param's post-accumulate-grad hook: unless accumulating, the round learns the gradient is final
+        (grad: the gradient where it is not yet `.grad`, backward.Round.arrive)."""
         if self._accumulating or any(not model.require_backward_grad_sync for model in self._no_sync_models):
             return
         round_ = self._current_round()
-        round_.arrive(param)
+        round_.arrive(param, grad)
         if not round_.snapshot_queued:
             engine = torch.autograd.Variable._execution_engine
 
@@ -308,15 +310,18 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     def _current_round(self) -> Round:
         if self._round is None:
-            planned = self._planned if self._planned is not None else \
-                {p for group in self.param_groups for p in group["params"] if p.requires_grad}
-            scratch = Scratch(self.state, self._new_state)
+            planned = self._planned if self._planned is not None else self._first_planned()
+            scratch, delivered = Scratch(self.state, self._new_state), {}
             units_ = self._units(planned)
             stream = torch.cuda.current_stream(self._device()) if self._device().type == "cuda" else None
             self._round = Round([unit_params(plan, unit) for _, _, plan, unit in units_],
-                                self._unit_steps(units_, scratch.param, scratch.state), scratch, planned,
-                                self._group_settings(), self.overlap_depth, stream)
+                                self._unit_steps(units_, scratch.param, scratch.state, delivered), scratch, planned,
+                                self._group_settings(), self.overlap_depth, stream, delivered)
         return self._round
+
+    def _first_planned(self) -> set:
+        """The params the first round plans for (later rounds: the last step's): those that can have a gradient."""
+        return {p for group in self.param_groups for p in group["params"] if p.requires_grad}
 
     def _group_settings(self) -> list:
         return [repr(sorted((k, v) for k, v in group.items() if k not in ("params", "param_names")))
@@ -460,15 +465,17 @@ class ShardOptimizer(torch.optim.Optimizer):
         return replicas_equal([local(p) for group in self.param_groups for p in group["params"]], self.replicate)
 
 
-def _gradient_reader(maximize: bool):
-    """param → the local gradient a step reads: g, or −g (a new tensor) when the group maximizes;
-    zeros where this rank has none (another rank has one, so this rank still joins the bucket's
-    collectives). Each param's is made once per step (a 3-D stack's matrices share it)."""
+def _gradient_reader(maximize: bool, delivered: dict | None = None):
+    """param → the local gradient a step reads (`delivered[param]` where there is one, else `.grad`): g,
+    or −g (a new tensor) when the group maximizes; zeros where this rank has none (another rank has one,
+    so this rank still joins the bucket's collectives). Each param's is made once per step (a 3-D
+    stack's matrices share it)."""
     read: dict = {}
 
     def gradient(param):
         if param not in read:
-            grad = local(param.grad) if param.grad is not None else torch.zeros_like(local(param))
+            grad = (delivered or {}).get(param, param.grad)
+            grad = local(grad) if grad is not None else torch.zeros_like(local(param))
             read[param] = -grad if maximize else grad
         return read[param]
     return gradient

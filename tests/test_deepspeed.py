@@ -354,7 +354,7 @@ def _overlap_refused(precision, extra):
 
 @pytest.mark.parametrize("precision,extra,named", [
     ("bf16", {}, '"bf16" and "fp16" off'), ("fp32", {"gradient_clipping": 1.0}, '"gradient_clipping": 0'),
-    ("fp32", {"zero_optimization": {"stage": 1}, "shardopt": {"mesh": {"replicate": 1, "shard": 2}}}, "ZeRO stage 0")])
+    ("fp32", {"zero_optimization": {"stage": 1}, "shardopt": {"mesh": {"replicate": 1, "shard": 2}}}, "ZeRO stage 2")])
 def test_overlap_backward_where_the_engine_changes_gradients_after_backward_is_refused(pool, precision, extra, named):
     for message in pool.run(_overlap_refused, precision, extra, timeout_s=TIMEOUT_S):
         assert message is not None and named in message and "overlap_backward" in message, message

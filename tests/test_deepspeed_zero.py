@@ -9,6 +9,8 @@
   client_optimizer + attach (code that calls deepspeed.initialize itself) equals initialize's;
 - engine.save_checkpoint / load_checkpoint at stages 1 and 2: the resumed run continues the saving run's
   trajectory exactly.
+- overlap_backward at stage 2: bitwise the plain stage 2, the same bytes, bucket steps started inside the
+  boundary's backward as the owned gradients' reduces complete.
 - local steps on the mesh at stages 0, 1 and 2: nothing crosses the nodes between syncs, the nodes are bitwise
   equal after a sync and the ranks of a node always; at 1/2 each rank syncs and keeps the outer state of
   what it owns (about half the bytes and state of stage 0 per rank); a checkpoint mid-round resumes bit-exact.
@@ -325,6 +327,46 @@ def test_zero_2_holds_no_gradient_it_does_not_own_during_backward(pool):
     for held, hook_calls, consistent in pool.run(_gradients_held_during_backward, timeout_s=TIMEOUT_S):
         assert hook_calls == 2 * 2 * len(list(_model().parameters()))    # 2 steps × 2 micro-batches
         assert held == 0 and consistent
+
+
+def _overlap_at_stage_2(optimizer):
+    """overlap_backward at ZeRO 2 on the 2 × 2 mesh against the plain stage 2 (3 steps of 2 micro-batches): the
+    overlapped engines' weights, optimizer state and replicate-axis bytes against the plain one's, and the most
+    bucket steps started inside the boundary's backward (a hook after the plugin's, with reduce_bucket_size 1,
+    so each gradient's reduce completes in its own hook) and inside the earlier micro-batch's."""
+    _env()
+    engines = []
+    for on, cap in ((False, None), (True, None), (True, 1)):
+        config = _config(optimizer, 2, MESH)
+        config["optimizer"]["params"]["overlap_backward"] = on
+        if cap is not None:
+            config["zero_optimization"]["reduce_bucket_size"] = cap
+        engines.append(sds.initialize(model=_model(), config=config)[0])
+    ours = [sds.shard_optimizer(engine) for engine in engines]
+    started = {True: [0], False: [0]}           # boundary micro-batch or not → counts seen in backward
+    engine = engines[2]
+    for param in engine.module.parameters():
+        param.register_post_accumulate_grad_hook(lambda _: started[engine.is_gradient_accumulation_boundary()].append(
+            ours[2]._round.started() if ours[2]._round is not None else 0))
+    for engine_ in engines:
+        _steps(engine_, 3)
+    weights = [[p.detach().clone() for p in engine_.module.parameters()] for engine_ in engines]
+    same = [all(torch.equal(a, b) for a, b in zip(weights[0], w)) and
+            all(torch.equal(x, y) for p, q in zip(ours[0]._slots(), o._slots())
+                for x, y in zip(ours[0].state[p].values(), o.state[q].values())) for w, o in zip(weights[1:], ours[1:])]
+    sent = [o.comm_stats()["replicate"]["bytes_sent"] for o in ours]
+    return same, sent, max(started[True]), max(started[False]), ours[1].replicas_consistent()
+
+
+@pytest.mark.parametrize("optimizer", ["Dion", "SignMuon"])
+def test_overlap_backward_at_zero_2_equals_the_plain_step_and_starts_in_the_boundary_backward(pool, optimizer):
+    for same, sent, in_boundary, before_boundary, consistent in pool.run(_overlap_at_stage_2, optimizer,
+                                                                          timeout_s=TIMEOUT_S):
+        assert same == [True, True] and consistent
+        # no round discarded and run again (the first included): the plain step's bytes, plus the stale flag's
+        # byte beside the has-gradient bytes (sent at ZeRO 2, where a rank lacks the gradients it does not own)
+        assert sent[1] == sent[2] == sent[0] + 3 and sent[0] > 0, sent
+        assert in_boundary > 0 and before_boundary == 0, (in_boundary, before_boundary)
 
 
 @pytest.mark.parametrize("sizes,parts", [([1024, 1024, 1024, 512, 256, 32, 32, 8], 2), ([7, 7, 7, 7, 7], 3),

@@ -26,9 +26,10 @@ class _EngineSide:
         axis of zero.py); node_mesh=None: no node axis (stage 0, every data-parallel rank a replica).
     reduce_bucket_size: stage 2, the most elements of gradients in flight to their owners during backward.
     overlap_backward: each bucket's exchange starts during engine.backward (docs/design.md §12; engine.backward
-        runs the micro-batches before the accumulation boundary under `accumulating()`). Only at ZeRO stage 0
-        without a "shardopt" mesh, in fp32, without gradient_clipping: elsewhere the engine changes the
-        gradients after backward (ValueError naming the setting).
+        runs the micro-batches before the accumulation boundary under `accumulating()`; at ZeRO 2 a bucket starts
+        once the node means of its owned gradients are back). Only at ZeRO stage 0 without a "shardopt" mesh or
+        at stage 2, in fp32, without gradient_clipping: elsewhere the engine changes the gradients after
+        backward (ValueError naming the setting).
 
     Global gradient norm (clipping, and engine.get_global_grad_norm() for logging), every step:
         ν = mean over replicas of ‖g_replica‖₂, ‖g_replica‖₂² = Σ over the node's ranks of ‖owned g_node‖²
@@ -66,14 +67,27 @@ class _EngineSide:
             return (f"overlap_backward under DeepSpeed needs \"gradient_clipping\": 0 (got {self.max_grad_norm:g}): "
                     f"the agreed clip factor needs every gradient, known only after backward; remove "
                     f"overlap_backward from the optimizer params to clip")
-        if self.zero is not None:
-            return (f"overlap_backward under DeepSpeed needs ZeRO stage 0 without a \"shardopt\" mesh (got stage "
-                    f"{self.zero.stage} on a node of {self.node.size} ranks): the node's gradients are averaged or "
-                    f"reduced to their owners in engine.step(), after backward; remove overlap_backward from the "
-                    f"optimizer params, or the mesh and zero_optimization")
+        if self.zero is not None and self.zero.stage != 2:
+            return (f"overlap_backward under DeepSpeed needs ZeRO stage 2, or stage 0 without a \"shardopt\" mesh "
+                    f"(got stage {self.zero.stage} on a node of {self.node.size} ranks): at this stage the node's "
+                    f"gradients are averaged or reduced to their owners in engine.step(), after backward; set "
+                    f"\"zero_optimization\": {{\"stage\": 2}}, or remove overlap_backward from the optimizer params")
         if self.wiring is not None and self.wiring.wrapper is not None:
             return LOW_PRECISION_OVERLAP
         return super()._overlap_refusal()
+
+    def _hook_gradients(self, params) -> None:
+        """At ZeRO 2 the gradient this rank steps is the node mean its reduce brings, after the local one's
+        hook: zero.BackwardReducer hands it over (wiring.EngineWiring); elsewhere the optimizer's own hooks."""
+        if self.zero is None or self.zero.stage != 2:
+            super()._hook_gradients(params)
+
+    def _first_planned(self) -> set:
+        """At ZeRO 1/2 only the slots this rank owns get a gradient, and so step."""
+        planned = super()._first_planned()
+        if self.zero is None or self.zero.stage == 0:
+            return planned
+        return {p for slot, p in enumerate(self._slots()) if p in planned and self.zero.owns(slot)}
 
     def _slots(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]

@@ -15,7 +15,7 @@ inert: a step on non-zero gradients raises). What is changed, and why (shardopt/
 | fp16/bf16 wrapper | `checkpoint_event_prologue` | the momenta averaged before DeepSpeed gathers the state |
 | fp16/bf16 wrapper | `_skip_invalid_grad_norm` | local steps: a skipped step still counts towards the round |
 | optimizer | `wiring` (the inner one under local steps); its params ↔ the wrapper's fp32 master copies | `replace_params` both ways |
-| params | post-accumulate-grad hooks | ZeRO 2 only (zero.BackwardReducer) |
+| params | post-accumulate-grad hooks | ZeRO 2 only (zero.BackwardReducer; with overlap_backward it hands the owned gradients to the optimizer) |
 """
 
 from __future__ import annotations
@@ -173,6 +173,8 @@ class EngineWiring:
           the loss by, as DeepSpeed's fp16 wrapper expects when it unscales in step.
         - ZeRO stage 2: during backward each fresh local gradient goes to its owner (zero.BackwardReducer);
           after it the owned node means are added to the owned gradients kept from earlier micro-batches.
+          With overlap_backward, the boundary's owned gradients are handed to the optimizer as their reduces
+          complete (the hooks on the params are the reducer's; the optimizer registers none at stage 2).
         - A micro-batch before the accumulation boundary runs under `optimizer.accumulating()`, so that with
           overlap_backward the exchange starts in the boundary's backward only (without it: nothing). Unmanaged
           accumulation (managed_gradient_accumulation false) has no boundary in backward: step() exchanges."""
@@ -191,23 +193,21 @@ class EngineWiring:
                 scale_wrt_gas = signature.bind(engine, loss, *args, **kwargs).arguments.get("scale_wrt_gas", True)
                 factor = engine.optimizer.loss_scale / (engine.gradient_accumulation_steps() if scale_wrt_gas else 1)
                 handle = loss.register_hook(lambda grad: torch.full_like(grad, factor))
-            kept = [p.grad for p in model_params]
+            boundary = engine.is_gradient_accumulation_boundary()
             if reducer is not None:
+                reducer.begin([p.grad for p in model_params],
+                              optimizer._gradient_final if optimizer.overlap_backward and boundary else None)
                 for param in model_params:
                     param.grad = None
-                reducer.begin()
             try:
-                with contextlib.nullcontext() if engine.is_gradient_accumulation_boundary() else optimizer.accumulating():
+                with contextlib.nullcontext() if boundary else optimizer.accumulating():
                     result = original(loss, *args, **kwargs)
             finally:
                 if handle is not None:
                     handle.remove()
-                fresh = reducer.end() if reducer is not None else None
-            if reducer is not None:
-                for slot, (param, old) in enumerate(zip(model_params, kept)):
-                    new = fresh.get(slot)
-                    new = None if new is None else new.view(param.shape).to(param.dtype)
-                    param.grad = new if old is None else old if new is None else old.add_(new)
+                if reducer is not None:
+                    for param, grad in zip(model_params, reducer.end()):
+                        param.grad = grad
             return result
 
         backward.__doc__ = original.__doc__

@@ -131,17 +131,25 @@ class BackwardReducer:
     """ZeRO stage 2 during backward: when backward has accumulated a parameter's gradient (a
     post-accumulate-grad hook), the gradient (in fp32, fp64 if it is fp64) is reduced to its owner over
     the node axis and dropped on this rank unless it owns it; when more than `cap_elements` are in
-    flight the oldest reduce is waited for. `end()` returns the owned slots' node means (1/S)·Σ_node.
-    Every rank runs the same backward graph, so the reduces are issued in the same order everywhere."""
+    flight the oldest reduce is waited for, and every hook takes the reduces that have completed. Every
+    rank runs the same backward graph, so the reduces are issued in the same order everywhere.
+
+    One backward: `begin(kept, deliver)` (kept: each slot's gradient from earlier micro-batches, or None),
+    then `end()` → each slot's gradient after it: g = kept + (1/S)·Σ_node g_local on the owned slots
+    (kept alone, or None, on the others). deliver(param, g): with the exchange during backward, called
+    as soon as an owned slot's reduce has completed, with the g `end()` will return for it (the same
+    tensor, unless the slot is accumulated a second time in this backward, e.g. by reentrant checkpointing:
+    then a new one, which the optimizer sees as changed)."""
 
     def __init__(self, partition: ZeroPartition, params: list[torch.Tensor], cap_elements: int):
-        self.partition, self.cap = partition, int(cap_elements)
-        self.active, self.pending, self.in_flight, self.results = False, deque(), 0, {}
+        self.partition, self.params, self.cap = partition, params, int(cap_elements)
+        self.active, self.pending, self.in_flight = False, deque(), 0
+        self.kept, self.deliver, self.results, self.delivered, self.reduces = [], None, {}, {}, {}
         self.hooks = [param.register_post_accumulate_grad_hook(functools.partial(self._ready, slot))
                       for slot, param in enumerate(params)]   # handles: EngineWiring.detach removes them
 
-    def begin(self) -> None:
-        self.active = True
+    def begin(self, kept: list, deliver=None) -> None:
+        self.active, self.kept, self.deliver = True, kept, deliver
 
     @torch.no_grad()
     def _ready(self, slot: int, param: torch.Tensor) -> None:
@@ -153,7 +161,7 @@ class BackwardReducer:
         owner = self.partition.owners[slot]
         self.pending.append((slot, buffer, self.partition.node.reduce(buffer, owner, async_op=True)))
         self.in_flight += buffer.numel()
-        while self.in_flight > self.cap and self.pending:
+        while self.pending and (self.in_flight > self.cap or self.pending[0][2].done()):
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
@@ -163,11 +171,23 @@ class BackwardReducer:
         if self.partition.owns(slot):   # a param may be accumulated twice (reentrant checkpointing): add
             mean = buffer.div_(self.partition.node.size)
             self.results[slot] = self.results[slot].add_(mean) if slot in self.results else mean
+            self.reduces[slot] = self.reduces.get(slot, 0) + 1
+            if self.deliver is not None and slot not in self.delivered:
+                self.delivered[slot] = self._gradient(slot)
+                self.deliver(self.params[slot], self.delivered[slot])
 
-    def end(self) -> dict[int, torch.Tensor]:
-        """Wait for the reduces in flight; {owned slot: its node-mean gradient of this backward}."""
+    def _gradient(self, slot: int) -> torch.Tensor | None:
+        """g of the class doc for `slot`, from what has completed so far."""
+        old, new = self.kept[slot], self.results.get(slot)
+        param = self.params[slot]
+        new = None if new is None else new.view(param.shape).to(param.dtype)
+        return new if old is None else old if new is None else old + new
+
+    def end(self) -> list[torch.Tensor | None]:
+        """Wait for the reduces in flight; each slot's gradient after this backward (the class doc)."""
         while self.pending:
             self._complete_oldest()
-        self.active = False
-        results, self.results = self.results, {}
-        return results
+        grads = [self.delivered[slot] if self.reduces.get(slot) == 1 and slot in self.delivered
+                 else self._gradient(slot) for slot in range(len(self.params))]
+        self.active, self.kept, self.deliver, self.results, self.delivered, self.reduces = False, [], None, {}, {}, {}
+        return grads
