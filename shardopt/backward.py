@@ -157,7 +157,8 @@ class Round:
         changed since the round began (`settings`: the groups' settings now)."""
         if self.accumulated_again:
             return "a second backward accumulated into gradients whose exchange had started"
-        changed = [param for param, snapshot in self._arrived.items() if not _same(snapshot, gradient_snapshot(param.grad))]
+        changed = [param for param, snapshot in self._arrived.items()
+                   if not _unchanged(snapshot, param.grad, self.delivered.get(param))]
         if changed:
             return "gradients changed between backward and step() (clipping, unscaling, or a reassignment)"
         if settings != self.settings:
@@ -167,6 +168,17 @@ class Round:
 
 def _same(before: tuple, now: tuple) -> bool:
     return before[0] is now[0] and before[1:] == now[1:]
+
+
+def _unchanged(snapshot: tuple, grad, delivered) -> bool:
+    """Whether `grad`, the gradient step() reads, is the one the round read (`snapshot` of it): the same
+    tensor at the same version or, for a delivered gradient that is itself untouched since, a tensor of
+    equal values (DeepSpeed's fp16/bf16 wrapper makes the master copy's gradient anew in its step)."""
+    if _same(snapshot, gradient_snapshot(grad)):
+        return True
+    return (delivered is not None and grad is not None and _same(snapshot, gradient_snapshot(delivered))
+            and delivered.dtype == grad.dtype and delivered.shape == grad.shape
+            and torch.equal(local(delivered), local(grad)))
 
 
 def on_stream(stream):

@@ -293,7 +293,7 @@ class ShardOptimizer(torch.optim.Optimizer):
     def _gradient_final(self, param, grad: torch.Tensor | None = None) -> None:
         """A param's post-accumulate-grad hook: unless accumulating, the round learns the gradient is final
         (grad: the gradient where it is not yet `.grad`, backward.Round.arrive)."""
-        if self._accumulating or any(not model.require_backward_grad_sync for model in self._no_sync_models):
+        if not self._taking_gradients():
             return
         round_ = self._current_round()
         round_.arrive(param, grad)
@@ -307,6 +307,18 @@ class ShardOptimizer(torch.optim.Optimizer):
                 round_.snapshot_queued = True
             except RuntimeError:      # a hook called outside backward: the snapshot at arrival stands
                 pass
+
+    def _taking_gradients(self) -> bool:
+        """Whether a gradient made now is final (not inside `accumulating()` or a registered `no_sync`)."""
+        return not (self._accumulating or any(not model.require_backward_grad_sync for model in self._no_sync_models))
+
+    def discard_backward_work(self) -> None:
+        """With overlap_backward, for a backward whose step() will not run (a step its caller skips, e.g.
+        DeepSpeed's fp16/bf16 wrapper on an overflow, on every rank alike): run the rest of the round, so
+        that every collective some rank started is matched, and drop its scratch (state and params untouched)."""
+        if self._round is not None:
+            round_, self._round = self._round, None
+            round_.finish()
 
     def _current_round(self) -> Round:
         if self._round is None:

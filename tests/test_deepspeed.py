@@ -9,8 +9,8 @@ Two gloo ranks (one worker pool for the module), CPU accelerator. Pinned here:
 - bf16 and fp16 train (loss goes down); under fp16 the gradient carries the loss scale exactly once;
   an inf gradient on one rank skips the step on both, optimizer state and weights untouched.
 - Gradient accumulation 4 equals one step on the 4× batch; the exchange happens only at the boundary.
-- overlap_backward through the engine (fp32, ZeRO 0): weights and state bitwise those without it, the
-  exchange started in the boundary's backward; bf16, clipping and ZeRO 1 refuse it, naming the setting.
+- overlap_backward through the engine (fp32, bf16, fp16; ZeRO 0): weights and state bitwise those without it, the
+  exchange started in the boundary's backward; an inf gradient skips the step and drops the work; clipping and ZeRO 1 refuse it, naming the setting.
 - engine.save_checkpoint at step 5 → a fresh engine loads it → steps 6-10 equal the saving run.
 - ZeRO 1/2/3, unknown optimizer params and a scheduler that would overwrite per-group lrs → clear errors;
   a non-shardopt optimizer type passes through to deepspeed.initialize unchanged.
@@ -308,16 +308,19 @@ def test_gradient_accumulation_equals_one_step_on_the_4x_batch(pool):
         assert global_steps == 3
 
 
-def _overlap_equals_plain(optimizer, gas):
-    """overlap_backward on and off through the engine (fp32, ZeRO 0, `gas` micro-batches a step): weights and
-    optimizer state after 3 steps, and how many bucket steps had started when each engine.backward returned."""
+def _overlap_equals_plain(optimizer, gas, precision, inf_at):
+    """overlap_backward on and off through the engine (ZeRO 0, `gas` micro-batches a step; at step `inf_at`
+    rank 0's last micro-batch has an inf input, so the step is skipped): weights and optimizer state after 4
+    steps, how many bucket steps had started when each engine.backward returned, and the replicate bytes."""
     _env()
     params = DION if optimizer == "Dion" else SIGNMUON
-    engines = [sds.initialize(model=_model(), config=_config(optimizer, {**params, "overlap_backward": on},
+    engines = [sds.initialize(model=_model(), config=_config(optimizer, {**params, "overlap_backward": on}, precision,
                                                             micro=8 // gas, gas=gas))[0] for on in (False, True)]
     started = []
-    for step in range(3):
+    for step in range(4):
         x, y = _batch(step)
+        if step == inf_at and dist.get_rank() == 0:
+            x[-1, 0] = float("inf")
         for engine in engines:
             ours = sds.shard_optimizer(engine)
             for micro in range(gas):
@@ -329,17 +332,27 @@ def _overlap_equals_plain(optimizer, gas):
     plain, overlapped = (sds.shard_optimizer(engine) for engine in engines)
     same_state = all(torch.equal(a, b) for p, q in zip(plain._slots(), overlapped._slots())
                      for a, b in zip(plain.state[p].values(), overlapped.state[q].values()))
+    sent = [ours.comm_stats()["replicate"]["bytes_sent"] for ours in (plain, overlapped)]   # before the check's bytes
     return (_max_diff(_weights(engines[0].module), _weights(engines[1].module)), same_state, started,
-            overlapped.replicas_consistent())
+            overlapped.replicas_consistent(), sent, [engine.skipped_steps for engine in engines])
 
 
-@pytest.mark.parametrize("optimizer,gas", [("Dion", 2), ("SignMuon", 1)])
-def test_overlap_backward_through_the_engine_equals_the_plain_step(pool, optimizer, gas):
-    for diff, same_state, started, consistent in pool.run(_overlap_equals_plain, optimizer, gas, timeout_s=TIMEOUT_S):
+@pytest.mark.parametrize("optimizer,gas,precision,inf_at", [
+    ("Dion", 2, "fp32", None), ("SignMuon", 1, "fp32", None), ("Dion", 1, "fp32", 2), ("Dion", 2, "bf16", 2),
+    ("SignMuon", 1, "bf16", None), pytest.param("SignMuon", 2, "fp16", 1, marks=needs_fp16)])
+def test_overlap_backward_through_the_engine_equals_the_plain_step(pool, optimizer, gas, precision, inf_at):
+    """fp16/bf16: the master copies' gradients made in backward as the wrapper's step makes them; an inf
+    gradient: the wrapper (fp16/bf16) or the optimizer (fp32) skips the step on both ranks, the work begun
+    in backward dropped."""
+    for diff, same_state, started, consistent, sent, skipped in pool.run(
+            _overlap_equals_plain, optimizer, gas, precision, inf_at, timeout_s=TIMEOUT_S):
         assert diff == 0 and same_state and consistent
+        assert skipped == ([1, 1] if inf_at is not None else [0, 0])
         # the bucket steps start in the boundary's backward, none in an earlier micro-batch's
         assert all(count > 0 for count in started[gas - 1::gas]), started
         assert all(count == 0 for index, count in enumerate(started) if index % gas != gas - 1), started
+        # no step ran again after backward (that would send its exchange twice); a skipped one spent it
+        assert sent[1] == sent[0] if inf_at is None else sent[0] < sent[1] < sent[0] * 2, sent
 
 
 def _overlap_refused(precision, extra):
@@ -353,7 +366,7 @@ def _overlap_refused(precision, extra):
 
 
 @pytest.mark.parametrize("precision,extra,named", [
-    ("bf16", {}, '"bf16" and "fp16" off'), ("fp32", {"gradient_clipping": 1.0}, '"gradient_clipping": 0'),
+    ("bf16", {"gradient_clipping": 1.0}, '"gradient_clipping": 0'),
     ("fp32", {"zero_optimization": {"stage": 1}, "shardopt": {"mesh": {"replicate": 1, "shard": 2}}}, "ZeRO stage 2")])
 def test_overlap_backward_where_the_engine_changes_gradients_after_backward_is_refused(pool, precision, extra, named):
     for message in pool.run(_overlap_refused, precision, extra, timeout_s=TIMEOUT_S):

@@ -9,7 +9,7 @@
   client_optimizer + attach (code that calls deepspeed.initialize itself) equals initialize's;
 - engine.save_checkpoint / load_checkpoint at stages 1 and 2: the resumed run continues the saving run's
   trajectory exactly.
-- overlap_backward at stage 2: bitwise the plain stage 2, the same bytes, bucket steps started inside the
+- overlap_backward at stage 2 (fp32, bf16): bitwise the plain stage 2, the same bytes, bucket steps started inside the
   boundary's backward as the owned gradients' reduces complete.
 - local steps on the mesh at stages 0, 1 and 2: nothing crosses the nodes between syncs, the nodes are bitwise
   equal after a sync and the ranks of a node always; at 1/2 each rank syncs and keeps the outer state of
@@ -329,7 +329,7 @@ def test_zero_2_holds_no_gradient_it_does_not_own_during_backward(pool):
         assert held == 0 and consistent
 
 
-def _overlap_at_stage_2(optimizer):
+def _overlap_at_stage_2(optimizer, precision):
     """overlap_backward at ZeRO 2 on the 2 × 2 mesh against the plain stage 2 (3 steps of 2 micro-batches): the
     overlapped engines' weights, optimizer state and replicate-axis bytes against the plain one's, and the most
     bucket steps started inside the boundary's backward (a hook after the plugin's, with reduce_bucket_size 1,
@@ -337,7 +337,7 @@ def _overlap_at_stage_2(optimizer):
     _env()
     engines = []
     for on, cap in ((False, None), (True, None), (True, 1)):
-        config = _config(optimizer, 2, MESH)
+        config = _config(optimizer, 2, MESH, precision)
         config["optimizer"]["params"]["overlap_backward"] = on
         if cap is not None:
             config["zero_optimization"]["reduce_bucket_size"] = cap
@@ -358,9 +358,9 @@ def _overlap_at_stage_2(optimizer):
     return same, sent, max(started[True]), max(started[False]), ours[1].replicas_consistent()
 
 
-@pytest.mark.parametrize("optimizer", ["Dion", "SignMuon"])
-def test_overlap_backward_at_zero_2_equals_the_plain_step_and_starts_in_the_boundary_backward(pool, optimizer):
-    for same, sent, in_boundary, before_boundary, consistent in pool.run(_overlap_at_stage_2, optimizer,
+@pytest.mark.parametrize("optimizer,precision", [("Dion", "fp32"), ("SignMuon", "fp32"), ("SignMuon", "bf16")])
+def test_overlap_backward_at_zero_2_equals_the_plain_step_and_starts_in_the_boundary_backward(pool, optimizer, precision):
+    for same, sent, in_boundary, before_boundary, consistent in pool.run(_overlap_at_stage_2, optimizer, precision,
                                                                           timeout_s=TIMEOUT_S):
         assert same == [True, True] and consistent
         # no round discarded and run again (the first included): the plain step's bytes, plus the stale flag's

@@ -87,10 +87,11 @@ What the plugin changes in the engine, and why:
   keeps the outer state of the params it owns, and the node gathers them after a sync (no overlap or
   fragments there).
 - Exchange during backward ("overlap_backward": true in the optimizer params, docs/design.md §12): at ZeRO
-  stage 0 without a mesh or at stage 2, in fp32, without gradient_clipping (elsewhere the engine changes
-  the gradients in engine.step(): refused, naming the setting); engine.backward runs the micro-batches
-  before the accumulation boundary under optimizer.accumulating(); at stage 2 a bucket starts once the
-  node means of the gradients this rank owns have come back from their reduces.
+  stage 0 without a mesh or at stage 2, in fp32, bf16 or fp16, without gradient_clipping (elsewhere the
+  engine changes the gradients in engine.step(): refused, naming the setting); engine.backward runs the
+  micro-batches before the accumulation boundary under optimizer.accumulating(); at stage 2 a bucket starts
+  once the node means of the gradients this rank owns have come back from their reduces; under fp16/bf16
+  it reads the master copies' gradients, made in backward as the wrapper's step makes them.
 - Bytes: `shard_optimizer(engine).comm_stats()` per axis: "replicate" (across nodes)
   and "node" (ZeRO 1/2 inside a node). "shard" also reports the node's bytes until the
   next release (the node axis's former name): read "node".

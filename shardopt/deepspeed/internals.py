@@ -21,6 +21,7 @@ are still checked).
 | `FP16_UnfusedOptimizer.initialize_optimizer_states` | its step on zero gradients is a no-op here |
 | `FP16_UnfusedOptimizer._skip_invalid_grad_norm()` | local steps: where its step skips; the round counts it |
 | `FP16_UnfusedOptimizer.loss_scale`, `._global_grad_norm` | loss scale; the agreed gradient norm the engine logs |
+| `FP16_UnfusedOptimizer.loss_scale_config.cur_scale`, `unscale_and_clip_grads` multiplying by `1. / combined_scale` | overlap_backward: the master copy's gradient made in backward as the step makes it |
 | `optimizer.checkpoint_event_prologue()` | averages the momenta before engine.save_checkpoint |
 | `deepspeed.utils.groups._get_data_parallel_group()` | the data-parallel group (the replicate axis at stage 0) |
 | `deepspeed.comm.destroy_process_group()` | destroys the groups and drops DeepSpeed's references to them |
@@ -65,6 +66,9 @@ def missing_internals(deepspeed) -> list[str]:
                                                                                     "fp32_groups", "_global_grad_norm",
                                                                                     "_skip_invalid_grad_norm")),
         "FP16_UnfusedOptimizer.loss_scale": hasattr(FP16_UnfusedOptimizer, "loss_scale"),
+        "FP16_UnfusedOptimizer.unscale_and_clip_grads multiplies by 1. / loss_scale_config.cur_scale":
+            all(text in inspect.getsource(FP16_UnfusedOptimizer.unscale_and_clip_grads)
+                for text in ("loss_scale_config.cur_scale", "mul_(1. / combined_scale)")),
         "deepspeed.utils.groups._get_data_parallel_group": hasattr(groups, "_get_data_parallel_group"),
         "deepspeed.comm.destroy_process_group": hasattr(deepspeed.comm, "destroy_process_group"),
         "deepspeed.init_distributed and deepspeed.comm.is_initialized":
@@ -74,6 +78,12 @@ def missing_internals(deepspeed) -> list[str]:
         "deepspeed.initialize(optimizer=callable)": "optimizer" in inspect.signature(deepspeed.initialize).parameters,
     }
     return [name for name, present in checks.items() if not present]
+
+
+def unscale_factor(wrapper) -> float:
+    """What the fp16/bf16 wrapper multiplies the fp32 copies of the gradients by in its step, without clipping
+    (unscale_and_clip_grads: combined_scale = loss_scale_config.cur_scale)."""
+    return 1. / wrapper.loss_scale_config.cur_scale
 
 
 def unwrapped(function):

@@ -13,11 +13,6 @@ from ..placement import local
 from .zero import ZeroPartition
 
 
-LOW_PRECISION_OVERLAP = ("overlap_backward under DeepSpeed needs fp32 (\"bf16\" and \"fp16\" off): DeepSpeed's "
-                         "fp16/bf16 wrapper copies the gradients into the fp32 master weights the optimizer steps in "
-                         "engine.step(), after backward; remove overlap_backward from the optimizer params")
-
-
 class _EngineSide:
     """What a shardopt optimizer needs under a DeepSpeed engine (mixed into Dion and SignMuon).
 
@@ -27,8 +22,9 @@ class _EngineSide:
     reduce_bucket_size: stage 2, the most elements of gradients in flight to their owners during backward.
     overlap_backward: each bucket's exchange starts during engine.backward (docs/design.md §12; engine.backward
         runs the micro-batches before the accumulation boundary under `accumulating()`; at ZeRO 2 a bucket starts
-        once the node means of its owned gradients are back). Only at ZeRO stage 0 without a "shardopt" mesh or
-        at stage 2, in fp32, without gradient_clipping: elsewhere the engine changes the gradients after
+        once the node means of its owned gradients are back; under fp16/bf16 it reads the master copies'
+        gradients made in backward as the wrapper's step makes them). Only at ZeRO stage 0 without a "shardopt"
+        mesh or at stage 2, without gradient_clipping: elsewhere the engine changes the gradients after
         backward (ValueError naming the setting).
 
     Global gradient norm (clipping, and engine.get_global_grad_norm() for logging), every step:
@@ -62,7 +58,7 @@ class _EngineSide:
 
     def _overlap_refusal(self) -> str | None:
         """The exchange during backward reads each gradient when backward has made it: only where the engine
-        leaves it as it is until engine.step() (ZeRO stage 0 without a node mesh, fp32, no clipping)."""
+        makes no other of it before engine.step() (ZeRO stage 0 without a node mesh or stage 2, no clipping)."""
         if self.max_grad_norm > 0:
             return (f"overlap_backward under DeepSpeed needs \"gradient_clipping\": 0 (got {self.max_grad_norm:g}): "
                     f"the agreed clip factor needs every gradient, known only after backward; remove "
@@ -72,14 +68,13 @@ class _EngineSide:
                     f"(got stage {self.zero.stage} on a node of {self.node.size} ranks): at this stage the node's "
                     f"gradients are averaged or reduced to their owners in engine.step(), after backward; set "
                     f"\"zero_optimization\": {{\"stage\": 2}}, or remove overlap_backward from the optimizer params")
-        if self.wiring is not None and self.wiring.wrapper is not None:
-            return LOW_PRECISION_OVERLAP
         return super()._overlap_refusal()
 
     def _hook_gradients(self, params) -> None:
         """At ZeRO 2 the gradient this rank steps is the node mean its reduce brings, after the local one's
-        hook: zero.BackwardReducer hands it over (wiring.EngineWiring); elsewhere the optimizer's own hooks."""
-        if self.zero is None or self.zero.stage != 2:
+        hook, and under fp16/bf16 it is the master copy's, which backward never writes: there the wiring
+        hands the gradients over (wiring.EngineWiring._hand_over); elsewhere the optimizer's own hooks."""
+        if (self.zero is None or self.zero.stage != 2) and (self.wiring is None or self.wiring.wrapper is None):
             super()._hook_gradients(params)
 
     def _first_planned(self) -> set:

@@ -13,9 +13,9 @@ inert: a step on non-zero gradients raises). What is changed, and why (shardopt/
 | engine | `save_checkpoint`, `load_checkpoint` | ZeRO 1/2: each rank's own partition next to DeepSpeed's files; local steps: each rank's optimizer state and params |
 | fp16/bf16 wrapper | `overflow_checker` | a check agreed over all data-parallel ranks |
 | fp16/bf16 wrapper | `checkpoint_event_prologue` | the momenta averaged before DeepSpeed gathers the state |
-| fp16/bf16 wrapper | `_skip_invalid_grad_norm` | local steps: a skipped step still counts towards the round |
+| fp16/bf16 wrapper | `_skip_invalid_grad_norm` | local steps: a skipped step still counts towards the round; overlap_backward: the work begun in backward is dropped |
 | optimizer | `wiring` (the inner one under local steps); its params ↔ the wrapper's fp32 master copies | `replace_params` both ways |
-| params | post-accumulate-grad hooks | ZeRO 2 only (zero.BackwardReducer; with overlap_backward it hands the owned gradients to the optimizer) |
+| params | post-accumulate-grad hooks | ZeRO 2 (zero.BackwardReducer), fp16/bf16: with overlap_backward each final gradient handed to the optimizer's round |
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class EngineWiring:
     def __init__(self, engine, optimizer):
         from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-        from .optimizers import LOW_PRECISION_OVERLAP, AgreedOverflowCheck, DeepSpeedLocalSteps, engine_side
+        from .optimizers import AgreedOverflowCheck, DeepSpeedLocalSteps, engine_side
 
         if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
             raise NotImplementedError("shardopt optimizers under DeepSpeed do not support torch_autocast with float16 "
@@ -73,8 +73,6 @@ class EngineWiring:
                                       f"shardopt supports fp32, bf16 or fp16 with DeepSpeed given ZeRO stage 0")
         self.engine, self.optimizer = engine, optimizer   # what the engine steps (a LocalSteps or the Dion/Sign-Muon)
         self.side = side = engine_side(optimizer)         # the Dion / Sign-Muon
-        if side.overlap_backward and wrapper is not optimizer:
-            raise ValueError(LOW_PRECISION_OVERLAP)
         self.local_steps = isinstance(optimizer, DeepSpeedLocalSteps)
         self.wrapper = wrapper if wrapper is not optimizer else None
         self.patches = Patches()
@@ -88,12 +86,13 @@ class EngineWiring:
             model_params = [lp for lp, _ in self.masters]
             self.patches.set(wrapper, "overflow_checker", AgreedOverflowCheck(model_params, side))
             self.patches.set(wrapper, "checkpoint_event_prologue", side.checkpoint_event_prologue)
-            if self.local_steps:
-                self._count_skipped_steps()
+            self._wrap_skipped_steps()
         self._wrap_backward(model_params)
         if (side.zero is not None and side.zero.stage >= 1) or self.local_steps:
             self._wrap_checkpoints()
         self.patches.set(side, "wiring", self)
+        if side.overlap_backward:
+            side.overlap_backward = True   # its hooks again: none where hand_over gives it the gradients
 
     def detach(self) -> None:
         """Restore the engine, its wrapper, the params and the optimizer as they were before the wiring."""
@@ -104,14 +103,18 @@ class EngineWiring:
         self.optimizer.replace_params([(fp32, lp) for lp, fp32 in self.masters])
         self.masters = []
 
-    def _count_skipped_steps(self) -> None:
-        """Local steps under fp16/bf16: the wrapper skips a step with a non-finite gradient (agreed over the
-        node only) without calling the optimizer; LocalSteps counts it all the same (skip_step)."""
-        skip, optimizer = self.wrapper._skip_invalid_grad_norm, self.optimizer
+    def _wrap_skipped_steps(self) -> None:
+        """Under fp16/bf16 the wrapper skips a step with a non-finite gradient without calling the optimizer
+        (on every rank alike: AgreedOverflowCheck; under local steps agreed over the node only). Local steps
+        count it all the same (skip_step); with overlap_backward the work begun in backward is finished and
+        dropped (discard_backward_work)."""
+        skip, optimizer, side, local_steps = self.wrapper._skip_invalid_grad_norm, self.optimizer, self.side, self.local_steps
 
         def skip_invalid_grad_norm(*args, **kwargs):
             result = skip(*args, **kwargs)
-            optimizer.skip_step()
+            side.discard_backward_work()
+            if local_steps:
+                optimizer.skip_step()
             return result
 
         self.patches.set(self.wrapper, "_skip_invalid_grad_norm", skip_invalid_grad_norm)
@@ -165,6 +168,24 @@ class EngineWiring:
         self.patches.set(engine, "save_checkpoint", save_checkpoint)
         self.patches.set(engine, "load_checkpoint", load_checkpoint)
 
+    def _hand_over(self):
+        """hand_over(param, g): with overlap_backward, a model param's final gradient g (its .grad, or at ZeRO 2
+        the node mean) to the optimizer's round, as step() will read it: g itself in fp32; under fp16/bf16 the
+        master copy's, made as the wrapper's step makes it (g.to(fp32) · (1 / loss scale); a loss scale that the
+        step changes first gives other values, which step() finds, and it steps again)."""
+        side, wrapper = self.side, self.wrapper
+        master_of = {lp: fp32 for lp, fp32 in self.masters}
+
+        def hand_over(param, grad):
+            if not side.overlap_backward or not side._taking_gradients():
+                return
+            if wrapper is None:
+                side._gradient_final(param, grad)
+                return
+            master = master_of[param]
+            side._gradient_final(master, grad.to(master.dtype, copy=True).mul_(internals.unscale_factor(wrapper)))
+        return hand_over
+
     def _wrap_backward(self, model_params: list[torch.Tensor]) -> None:
         """engine.backward, plus:
         - fp16: the loss scale. DeepSpeed 0.19 at stage 0 runs backward without it yet unscales in step
@@ -174,16 +195,21 @@ class EngineWiring:
         - ZeRO stage 2: during backward each fresh local gradient goes to its owner (zero.BackwardReducer);
           after it the owned node means are added to the owned gradients kept from earlier micro-batches.
           With overlap_backward, the boundary's owned gradients are handed to the optimizer as their reduces
-          complete (the hooks on the params are the reducer's; the optimizer registers none at stage 2).
+          complete (`_hand_over`; the hooks on the params are the reducer's, the optimizer registers none).
+        - fp16/bf16 at stage 0: hooks on the model params hand their gradients over (`_hand_over`) with
+          overlap_backward; the optimizer's own would sit on the master copies, which backward never reaches.
         - A micro-batch before the accumulation boundary runs under `optimizer.accumulating()`, so that with
           overlap_backward the exchange starts in the boundary's backward only (without it: nothing). Unmanaged
           accumulation (managed_gradient_accumulation false) has no boundary in backward: step() exchanges."""
         engine, optimizer = self.engine, self.side
         fp16 = engine.fp16_enabled()
-        reducer = None
+        reducer, hand_over = None, self._hand_over()
         if optimizer.zero is not None and optimizer.zero.stage == 2:
             reducer = BackwardReducer(optimizer.zero, model_params, optimizer.reduce_bucket_size)
             self.hooks = reducer.hooks
+        elif self.wrapper is not None:
+            self.hooks = [param.register_post_accumulate_grad_hook(lambda param: hand_over(param, param.grad))
+                          for param in model_params if param.requires_grad]
         original = engine.backward
         signature = inspect.signature(internals.unwrapped(type(engine).backward))
 
@@ -195,8 +221,7 @@ class EngineWiring:
                 handle = loss.register_hook(lambda grad: torch.full_like(grad, factor))
             boundary = engine.is_gradient_accumulation_boundary()
             if reducer is not None:
-                reducer.begin([p.grad for p in model_params],
-                              optimizer._gradient_final if optimizer.overlap_backward and boundary else None)
+                reducer.begin([p.grad for p in model_params], hand_over if optimizer.overlap_backward and boundary else None)
                 for param in model_params:
                     param.grad = None
             try:
