@@ -69,6 +69,10 @@ class ShardoptCallback(TrainerCallback):
         if args.max_grad_norm > 0:   # Trainer clips while it is > 0: hand it to the optimizer
             self.max_grad_norm = float(args.max_grad_norm)
             args.max_grad_norm = 0.0
+            if self.optimizer.overlap_backward:
+                logger.warning("shardopt: overlap_backward turned off: TrainingArguments' max_grad_norm=%g clips by "
+                               "the agreed norm, known only after backward; set max_grad_norm=0 to keep the "
+                               "exchange during backward", self.max_grad_norm)
             self.optimizer.overlap_backward = False
             logger.info("shardopt: TrainingArguments' max_grad_norm=%g clips by the norm all replicas agree on "
                         "(ShardOptimizer.clip_grad_norm_), not Trainer's per-replica clip", self.max_grad_norm)

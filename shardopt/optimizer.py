@@ -293,7 +293,7 @@ class ShardOptimizer(torch.optim.Optimizer):
     def _gradient_final(self, param, grad: torch.Tensor | None = None) -> None:
         """A param's post-accumulate-grad hook: unless accumulating, the round learns the gradient is final
         (grad: the gradient where it is not yet `.grad`, backward.Round.arrive)."""
-        if not self._taking_gradients():
+        if not self._overlap or not self._taking_gradients():
             return
         round_ = self._current_round()
         round_.arrive(param, grad)
@@ -422,6 +422,10 @@ class ShardOptimizer(torch.optim.Optimizer):
         return {key: value for key, value in self.__dict__.items() if key not in self._RUNTIME}
 
     def __setstate__(self, state: dict) -> None:
+        """A copy (deepcopy, pickle), or this optimizer itself in torch.optim's load_state_dict: then the
+        hooks it holds are removed before its params get them again."""
+        for handle in self.__dict__.get("_hooks", ()):
+            handle.remove()
         super().__setstate__(state)
         self._plans = Plans()
         overlapping, self._overlap = self.__dict__.get("_overlap", False), False

@@ -144,6 +144,12 @@ def use_shardopt(trainer_config, **fields):
 
 
 def _check(config) -> None:
+    if config.options.get("overlap_backward"):
+        raise ValueError("ShardoptOptimizersContainer.Config(options={'overlap_backward': True}): torchtitan's "
+                         "trainer multiplies every gradient in place by its clip factor after backward (1.0 under "
+                         "use_shardopt, still a write), and runs its gradient-accumulation micro-batches with no "
+                         "sign of which is last, so the exchange started during backward would be redone in every "
+                         "step (docs/design.md §12); remove overlap_backward from options")
     if config.algorithm not in OPTIMIZERS:
         raise ValueError(f"ShardoptOptimizersContainer.Config(algorithm={config.algorithm!r}): allowed "
                          f"{', '.join(map(repr, OPTIMIZERS))}")

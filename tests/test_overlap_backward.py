@@ -292,3 +292,22 @@ def test_single_process_overlap_is_bitwise_and_warns_on_changed_gradients(caplog
         with caplog.at_level("WARNING", logger="shardopt"):
             assert all(torch.equal(a, b) for a, b in zip(train(False, clip_between), train(True, clip_between)))
     assert "gradients changed between backward and step()" in caplog.text
+
+
+def test_load_state_dict_keeps_one_hook_per_param_and_off_removes_them():
+    """torch.optim's load_state_dict calls __setstate__ on the optimizer itself: its params keep one hook each
+    (not one more per load), and overlap_backward=False then leaves none (a leftover hook would start a round
+    after overlap was turned off, which HF Trainer does when max_grad_norm clips)."""
+    net = Net()
+    opt = shardopt.SignMuon(shardopt.param_groups(net, "signmuon", "adamw"), lr=0.01, overlap_backward=True)
+    net(_batch(0, 0)).square().mean().backward()
+    opt.step()
+    for _ in range(2):
+        opt.load_state_dict(opt.state_dict())
+    hooks = lambda: [len(p._post_accumulate_grad_hooks or {}) for p in net.parameters()]   # noqa: E731
+    assert hooks() == [1] * len(list(net.parameters()))
+    opt.overlap_backward = False
+    assert hooks() == [0] * len(list(net.parameters()))
+    opt.zero_grad()
+    net(_batch(0, 1)).square().mean().backward()
+    assert opt._round is None                   # no work began in this backward

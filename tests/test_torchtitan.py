@@ -40,6 +40,7 @@ def test_per_pattern_param_groups_with_a_fused_qkv_split(scenarios):
     ("unmatched", ["transformer.wte.weight", "ParamGroupConfig(pattern=r'.*'"]),
     ("stock_hsdp", ["(Replicate(), Shard(dim=0))", "shard_only(parallelize_fn)"]),
     ("plain_params", ["plain tensors on 2 ranks", "replicate_mesh"]),
+    ("overlap_backward", ["clip factor", "remove overlap_backward"]),
     ("spmd_backend", ["parallelism.spmd_backend='spmd_types'", "'partial_dtensor'"]),
 ])
 def test_bad_settings_are_refused_naming_the_setting_and_the_fix(scenarios, case, words):

@@ -75,6 +75,13 @@ def test_trainer_ddp_docs_block_trains_and_resume_is_bit_exact(tmp_path):
         assert result["ddp"] and result["trainer_max_grad_norm"] == 0.0 and result["consistent"]
         assert_steady_bytes_small(result["step_bytes"], result["params"])
         assert result["resume_weights_equal"] and result["resume_state_equal"]
+        # overlap_backward: off while Trainer's max_grad_norm clips; with max_grad_norm=0 bitwise the run without
+        # it, each step's exchange begun in the last micro-batch's backward and never run twice (same bytes)
+        assert result["overlap_turned_off_by_clipping"]
+        assert result["overlap_weights_equal"] and result["overlap_state_differing"] == [], result["overlap_state_differing"]
+        off_bytes, on_bytes = result["overlap_bytes"]     # all 6 steps (with overlap, part of it in backward)
+        assert off_bytes == on_bytes > 0, result["overlap_bytes"]
+        assert result["overlap_started"][0] == [0] * 6 and all(n > 0 for n in result["overlap_started"][1]), result
     assert ranks[0]["weights_hash"] == ranks[1]["weights_hash"]
     assert ranks[0]["grad_hash_step1"] != ranks[1]["grad_hash_step1"]   # each rank kept its own gradient
     assert ranks[0]["unexchanged_optimizer_error"].startswith(

@@ -205,7 +205,8 @@ def refused(parallel_dims):
              "splits_beside_param_groups": ({**PATTERNS, "splits": {"attn.c_attn": QKV}}, shardopt_parallelize),
              "unmatched": ({"options": {"lr": 0.02}, "param_groups": PATTERNS["param_groups"][:2]}, shardopt_parallelize),
              "stock_hsdp": (AUTO, parallelize_gpt),
-             "plain_params": (AUTO, None)}
+             "plain_params": (AUTO, None),
+             "overlap_backward": ({**AUTO, "options": {**AUTO["options"], "overlap_backward": True}}, shardopt_parallelize)}
     errors = {}
     for name, (fields, parallelize) in cases.items():
         try:

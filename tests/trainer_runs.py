@@ -43,15 +43,18 @@ def tiny_gpt2():
 
 def recorder():
     """A Trainer callback (listed before ShardoptCallback) that records, per optimizer step, the replicate bytes
-    the optimizer sends from before the agreed clip to after the step, and a hash of the local gradients."""
+    the optimizer sends from before the agreed clip to after the step, a hash of the local gradients, and how many
+    bucket steps had started in backward (overlap_backward)."""
     from transformers import TrainerCallback
 
     class Recorder(TrainerCallback):
         def __init__(self):
-            self.step_bytes, self.grad_hashes = [], []
+            self.step_bytes, self.grad_hashes, self.started = [], [], []
 
         def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
-            self.before = shardopt_optimizer(optimizer, "").comm_stats()["replicate"]["bytes_sent"]
+            opt = shardopt_optimizer(optimizer, "")
+            self.before = opt.comm_stats()["replicate"]["bytes_sent"]
+            self.started.append(opt._round.started() if opt._round is not None else 0)   # units begun in backward
             self.grad_hashes.append(int(bit_hash(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))))
 
         def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
@@ -59,15 +62,17 @@ def recorder():
     return Recorder()
 
 
-def trainer_run(output_dir: str, resume: str | None = None):
+def trainer_run(output_dir: str, resume: str | None = None, overlap_backward: bool = True, **arguments):
     """STEPS steps of Trainer(optimizers=(SignMuon, LambdaLR)) with a checkpoint every STEPS // 2, Trainer's
-    default max_grad_norm (1.0) and gradient accumulation 2; from `resume` if given."""
+    default max_grad_norm (1.0, which turns overlap_backward off) unless `arguments` set it, and gradient
+    accumulation 2; from `resume` if given."""
     from transformers import Trainer, TrainingArguments
     args = TrainingArguments(output_dir, max_steps=STEPS, save_steps=STEPS // 2, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=2, use_cpu=True, report_to="none", disable_tqdm=True)
+                             gradient_accumulation_steps=2, use_cpu=True, report_to="none", disable_tqdm=True,
+                             **arguments)
     model = tiny_gpt2()
     opt = shardopt.SignMuon(shardopt.param_groups(model, "signmuon", "lion", nonmatrix_options={"lr": 3e-4}), lr=3e-3,
-                            replicate_mesh=dist.group.WORLD)
+                            replicate_mesh=dist.group.WORLD, overlap_backward=overlap_backward)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + 0.2 * step))
     tokens = torch.randint(0, 256, (128, 32), generator=torch.Generator().manual_seed(1))
     record = recorder()
@@ -86,7 +91,16 @@ def hf(block: str, out: str) -> dict:
                                                    os.path.join(out, "straight", f"checkpoint-{STEPS // 2}"))
     weights, resumed_weights = model.state_dict(), resumed_model.state_dict()
     state, resumed_state = flat_state(opt), flat_state(resumed_opt)
+    overlap = [trainer_run(os.path.join(out, f"overlap_{on}"), overlap_backward=on, max_grad_norm=0.0)
+               for on in (False, True)]
+    (_, off_model, off_opt, off_record), (_, on_model, on_opt, on_record) = overlap
     return {
+        "overlap_turned_off_by_clipping": not opt.overlap_backward,
+        "overlap_weights_equal": all(torch.equal(a, b) for a, b in zip(off_model.parameters(), on_model.parameters())),
+        "overlap_state_differing": sorted(key for key, value in flat_state(off_opt).items()
+                                          if not torch.equal(value, flat_state(on_opt).get(key, torch.empty(0)))),
+        "overlap_bytes": [o.comm_stats()["replicate"]["bytes_sent"] for o in (off_opt, on_opt)],
+        "overlap_started": [off_record.started, on_record.started],
         "doc_algorithms": [group["algorithm"] for group in doc_opt.param_groups],
         "doc_steps": doc["trainer"].state.global_step,
         "doc_checkpoints": sorted(name for name in os.listdir(os.path.join(out, "doc")) if name.startswith("checkpoint")),
