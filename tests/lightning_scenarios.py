@@ -10,6 +10,8 @@ optimizer steps, accumulate_grad_batches=2, a checkpoint at each epoch end:
   configure_model (the shard axis, no replicate axis), resumed bit-exact from Lightning's distributed
   checkpoint; hsdp: the same with the data-parallel ranks as a (replicate, shard) = (2, 1) mesh,
   fully_shard over "shard" and the optimizer's replicate_mesh "replicate";
+- overlap: DDP with overlap_backward off and on (max_grad_norm=0): bitwise, the same bytes, the exchange begun in
+  the backward of each step's last micro-batch;
 - refused: gradient_clip_val, an optimizer without replicate_mesh under DDP.
 Each rank writes its measurements to $SHARDOPT_TEST_OUT/result-<rank>.json.
 """
@@ -40,11 +42,11 @@ class LitGPT(L.LightningModule):
     (a (replicate, shard) = (2, 1) mesh of the data-parallel ranks: fully_shard over "shard", the
     optimizer on "replicate")."""
 
-    def __init__(self, fsdp: str | None = None, replicate: bool = True):
+    def __init__(self, fsdp: str | None = None, replicate: bool = True, **options):
         super().__init__()
         torch.manual_seed(0)
         self.model = GPT(CONFIG)
-        self.fsdp, self.replicate, self.replicate_mesh = fsdp, replicate, None
+        self.fsdp, self.replicate, self.replicate_mesh, self.options = fsdp, replicate, None, options
 
     def configure_model(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -65,7 +67,7 @@ class LitGPT(L.LightningModule):
     def configure_optimizers(self):
         groups = shardopt.param_groups(self, "signmuon", "lion", nonmatrix_options={"lr": 1e-3})
         replicate_mesh = self.replicate_mesh if self.fsdp else dist.group.WORLD if self.replicate else None
-        return shardopt.SignMuon(groups, lr=0.02, max_grad_norm=1.0, replicate_mesh=replicate_mesh)
+        return shardopt.SignMuon(groups, lr=0.02, replicate_mesh=replicate_mesh, **{"max_grad_norm": 1.0, **self.options})
 
 
 def loader():
@@ -95,10 +97,15 @@ def momenta(optimizer):
 
 
 class Record(Callback):
-    """Replicate bytes after each optimizer step; whether the replicas' momenta agree between saves and at saves."""
+    """Replicate bytes after each optimizer step; whether the replicas' momenta agree between saves and at saves;
+    how many bucket steps had begun in backward before each optimizer step."""
 
     def __init__(self):
-        self.bytes, self.momenta_equal_between, self.momenta_equal_at_save = [], [], []
+        self.bytes, self.momenta_equal_between, self.momenta_equal_at_save, self.started = [], [], [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        ours = trainer.optimizers[0]    # bucket steps begun in backward (overlap_backward)
+        self.started.append(ours._round.started() if ours._round is not None else 0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step > len(self.bytes):
@@ -126,7 +133,8 @@ def fit(directory, module, ckpt_path=None, strategy="ddp", **trainer_options):
 def local_tensors(module, optimizer):
     """This rank's weights and optimizer state tensors (local shards under FSDP2)."""
     tensors = [local(p).detach().clone() for p in module.parameters()]
-    return tensors + [local(v).clone() for s in optimizer.state.values() for v in s.values()]
+    params = [p for group in optimizer.param_groups for p in group["params"]]   # state in param order
+    return tensors + [local(v).clone() for p in params for v in optimizer.state[p].values()]
 
 
 def bitwise_equal(a, b) -> bool:
@@ -162,6 +170,17 @@ def train_and_resume(kind: str | None = None) -> dict:
     return result
 
 
+def overlap_backward() -> dict:
+    """DDP, max_grad_norm=0, overlap_backward off and on: weights and state, all replicate bytes, work begun in backward."""
+    runs = []
+    for on in (False, True):
+        module = LitGPT(max_grad_norm=0.0, overlap_backward=on)
+        _, optimizer, record = fit(OUT / f"overlap_{on}", module)
+        runs.append((local_tensors(module, optimizer), optimizer.comm_stats()["replicate"]["bytes_sent"], record.started))
+    (off, off_bytes, off_started), (on, on_bytes, on_started) = runs
+    return {"bitwise": bitwise_equal(off, on), "bytes": [off_bytes, on_bytes], "started": [off_started, on_started]}
+
+
 def refused():
     errors = {}
     for name, module, options in (("gradient_clip_val", LitGPT(), {"gradient_clip_val": 1.0}),
@@ -176,5 +195,5 @@ def refused():
 
 if __name__ == "__main__":
     result = {"ddp": train_and_resume(), "fsdp2": train_and_resume("fsdp"), "hsdp": train_and_resume("hsdp"),
-              "refused": refused()}
+              "overlap": overlap_backward(), "refused": refused()}
     finish(OUT / f"result-{dist.get_rank()}.json", result)

@@ -41,6 +41,16 @@ def test_hsdp_under_model_parallel_strategy_exchanges_one_bit_and_resumes_bit_ex
         assert hsdp["resume_bit_exact"], hsdp
 
 
+def test_overlap_backward_under_ddp_is_bitwise_and_begins_in_the_last_micro_batch(scenarios):
+    """Lightning runs accumulate_grad_batches' inner micro-batches under DDP's no_sync(), which the adapter
+    registers as accumulation: the exchange begins in the last one's backward, and no step runs twice."""
+    for result in scenarios:
+        overlap = result["overlap"]
+        assert overlap["bitwise"] and overlap["bytes"][0] == overlap["bytes"][1] > 0, overlap
+        off, on = overlap["started"]
+        assert len(on) == 6 and all(n > 0 for n in on) and off == [0] * 6, overlap
+
+
 def test_gradient_clip_val_and_missing_replicate_mesh_are_refused(scenarios):
     for result in scenarios:
         refused = result["refused"]
