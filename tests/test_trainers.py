@@ -100,6 +100,12 @@ def test_accelerate_docs_block_trains_saves_and_loads(tmp_path):
         assert result["optimizer_steps"] == [4, 8]         # the second run loaded step 4 and went on
         for run in result["step_bytes"]:
             assert_steady_bytes_small(run, result["params"])
+        # overlap_backward off and on (max_grad_norm=0): bitwise, the same bytes, begun in each last micro-batch
+        overlap = result["overlap"]
+        assert overlap["weights_equal"] and overlap["state_differing"] == [], overlap
+        assert overlap["bytes"][0] == overlap["bytes"][1] > 0, overlap
+        assert overlap["started"][0] == [0] * 4 and len(overlap["started"][1]) == 4, overlap   # 8 micro-batches a rank
+        assert all(n > 0 for n in overlap["started"][1]), overlap
     assert ranks[0]["weights_hash"] == ranks[1]["weights_hash"]
     assert ranks[0]["grad_hash_step1"] != ranks[1]["grad_hash_step1"]
 

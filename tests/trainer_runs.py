@@ -142,10 +142,41 @@ def accelerate(block: str, out: str) -> dict:
         "saved_is_synchronized": first_state.keys() == saved_state.keys()
         and all(torch.equal(first_state[k], saved_state[k]) for k in first_state),
         "optimizer_steps": [len(first_steps), int(next(iter(opt.state.values()))["step"])],
+        "overlap": accelerate_overlap(),
         "step_bytes": [[step["bytes"] for step in run] for run in (first_steps, second_steps)],
         "grad_hash_step1": first_steps[0]["grad_hash"],
         "params": sum(p.numel() for p in second["model"].parameters()),
     }
+
+
+def accelerate_overlap() -> dict:
+    """The Accelerate block's loop (gradient accumulation 2) with overlap_backward off and on, max_grad_norm=0:
+    weights and state keyed by param, all replicate bytes, bucket steps begun in backward before each step."""
+    from accelerate import Accelerator
+    import shardopt.accelerate
+    runs = []
+    for on in (False, True):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = tiny_gpt2()
+        opt = shardopt.SignMuon(shardopt.param_groups(model, "signmuon", "lion", nonmatrix_options={"lr": 3e-4}),
+                                lr=3e-3, replicate_mesh=dist.group.WORLD, overlap_backward=on)
+        tokens = torch.randint(0, 256, (64, 32), generator=torch.Generator().manual_seed(0))
+        loader = torch.utils.data.DataLoader(tokens, batch_size=4)
+        model, prepared, loader = accelerator.prepare(model, opt, loader)
+        shardopt.accelerate.attach(accelerator, model, prepared)
+        started = []
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(input_ids=batch, labels=batch).loss)
+                if accelerator.sync_gradients:
+                    started.append(opt._round.started() if opt._round is not None else 0)
+                prepared.step()
+                prepared.zero_grad()
+        runs.append((weights_hash(model), flat_state(opt), opt.comm_stats()["replicate"]["bytes_sent"], started))
+    (off_hash, off_state, off_bytes, off_started), (on_hash, on_state, on_bytes, on_started) = runs
+    return {"weights_equal": off_hash == on_hash, "bytes": [off_bytes, on_bytes], "started": [off_started, on_started],
+            "state_differing": sorted(key for key, value in off_state.items()
+                                      if not torch.equal(value, on_state.get(key, torch.empty(0))))}
 
 
 def record_steps() -> list:
