@@ -54,10 +54,12 @@ def gradient_snapshot(grad) -> tuple:
 class Scratch:
     """Copies of the params and state a round's units write, made when a unit first reads them.
 
-    state: the optimizer's state (param → dict); new_state(param) → a param's initial state (step 0)."""
+    state: the optimizer's state (param → dict); new_state(param) → a param's initial state (step 0);
+    position(param) → its index in the optimizer's params (fresh state is committed in that order, as the
+    step after backward creates it, so the state dict's order does not depend on the backward order)."""
 
-    def __init__(self, state: dict, new_state):
-        self._state, self._new_state = state, new_state
+    def __init__(self, state: dict, new_state, position):
+        self._state, self._new_state, self._position = state, new_state, position
         self._params: dict = {}
         self._states: dict = {}
         self._fresh: dict = {}
@@ -85,7 +87,7 @@ class Scratch:
         """Copy every scratch tensor into the param or state tensor it stands for."""
         for param, copy in self._params.items():
             local(param).copy_(copy)
-        for param, copies in self._states.items():
+        for param, copies in sorted(self._states.items(), key=lambda item: self._position(item[0])):
             if param in self._fresh:
                 self._state[param] = self._fresh[param]
             else:

@@ -323,7 +323,7 @@ class ShardOptimizer(torch.optim.Optimizer):
     def _current_round(self) -> Round:
         if self._round is None:
             planned = self._planned if self._planned is not None else self._first_planned()
-            scratch, delivered = Scratch(self.state, self._new_state), {}
+            scratch, delivered = Scratch(self.state, self._new_state, self._param_index.__getitem__), {}
             units_ = self._units(planned)
             stream = torch.cuda.current_stream(self._device()) if self._device().type == "cuda" else None
             self._round = Round([unit_params(plan, unit) for _, _, plan, unit in units_],
