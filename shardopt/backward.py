@@ -87,12 +87,12 @@ class Scratch:
         """Copy every scratch tensor into the param or state tensor it stands for."""
         for param, copy in self._params.items():
             local(param).copy_(copy)
-        for param, copies in sorted(self._states.items(), key=lambda item: self._position(item[0])):
-            if param in self._fresh:
-                self._state[param] = self._fresh[param]
-            else:
+        for param, copies in self._states.items():
+            if param not in self._fresh:
                 for key, value in self._state[param].items():
                     local(value).copy_(copies[key])
+        for param in sorted(self._fresh, key=self._position):   # (their copies are the fresh tensors)
+            self._state[param] = self._fresh[param]
 
 
 class Round:
@@ -101,12 +101,12 @@ class Round:
     units: the params each unit reads (plan.unit_params), in backward order; steps: one step generator per unit, drawn
     lazily in that order (their reads go to `scratch`, and a param's gradient is `delivered[param]` where
     `arrive` was handed one, else `.grad`); planned: the set of params the plans were made for; settings: the
-    groups' settings when it was made (step() compares them); depth: units in flight."""
+    groups' settings when it was made (step() compares them); depth: units in flight; stream: see
+    `on_stream`; delivered: the dict `steps` read handed-over gradients from, which `arrive` fills."""
 
     def __init__(self, units: list, steps, scratch: Scratch, planned: set, settings: list, depth: int,
-                 stream=None, delivered: dict | None = None):
-        self.planned, self.settings, self.scratch, self.stream = planned, settings, scratch, stream
-        self.delivered = {} if delivered is None else delivered
+                 stream, delivered: dict):
+        self.planned, self.settings, self.scratch, self.stream, self.delivered = planned, settings, scratch, stream, delivered
         self._waiting = []
         self._units_of: dict = {}
         for index, params in enumerate(units):

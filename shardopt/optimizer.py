@@ -490,7 +490,7 @@ def _gradient_reader(maximize: bool, delivered: dict | None = None):
 
     def gradient(param):
         if param not in read:
-            grad = (delivered or {}).get(param, param.grad)
+            grad = delivered.get(param, param.grad) if delivered else param.grad
             grad = local(grad) if grad is not None else torch.zeros_like(local(param))
             read[param] = -grad if maximize else grad
         return read[param]

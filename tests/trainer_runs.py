@@ -35,6 +35,13 @@ def flat_state(opt) -> dict:
             for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
+def state_differing(a, b) -> list[str]:
+    """The flat_state keys where optimizers a and b differ (a key only one of them has included)."""
+    first, second = flat_state(a), flat_state(b)
+    return sorted(key for key in first.keys() | second.keys()
+                  if key not in first or key not in second or not torch.equal(first[key], second[key]))
+
+
 def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
@@ -97,8 +104,7 @@ def hf(block: str, out: str) -> dict:
     return {
         "overlap_turned_off_by_clipping": not opt.overlap_backward,
         "overlap_weights_equal": all(torch.equal(a, b) for a, b in zip(off_model.parameters(), on_model.parameters())),
-        "overlap_state_differing": sorted(key for key, value in flat_state(off_opt).items()
-                                          if not torch.equal(value, flat_state(on_opt).get(key, torch.empty(0)))),
+        "overlap_state_differing": state_differing(off_opt, on_opt),
         "overlap_bytes": [o.comm_stats()["replicate"]["bytes_sent"] for o in (off_opt, on_opt)],
         "overlap_started": [off_record.started, on_record.started],
         "doc_algorithms": [group["algorithm"] for group in doc_opt.param_groups],
@@ -172,11 +178,10 @@ def accelerate_overlap() -> dict:
                     started.append(opt._round.started() if opt._round is not None else 0)
                 prepared.step()
                 prepared.zero_grad()
-        runs.append((weights_hash(model), flat_state(opt), opt.comm_stats()["replicate"]["bytes_sent"], started))
-    (off_hash, off_state, off_bytes, off_started), (on_hash, on_state, on_bytes, on_started) = runs
+        runs.append((weights_hash(model), opt, opt.comm_stats()["replicate"]["bytes_sent"], started))
+    (off_hash, off_opt, off_bytes, off_started), (on_hash, on_opt, on_bytes, on_started) = runs
     return {"weights_equal": off_hash == on_hash, "bytes": [off_bytes, on_bytes], "started": [off_started, on_started],
-            "state_differing": sorted(key for key, value in off_state.items()
-                                      if not torch.equal(value, on_state.get(key, torch.empty(0))))}
+            "state_differing": state_differing(off_opt, on_opt)}
 
 
 def record_steps() -> list:

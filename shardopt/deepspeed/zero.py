@@ -173,21 +173,23 @@ class BackwardReducer:
             self.results[slot] = self.results[slot].add_(mean) if slot in self.results else mean
             self.reduces[slot] = self.reduces.get(slot, 0) + 1
             if self.deliver is not None and slot not in self.delivered:
-                self.delivered[slot] = self._gradient(slot)
+                self.delivered[slot] = self._gradient(slot, in_place=False)   # kept stays as it is for end()
                 self.deliver(self.params[slot], self.delivered[slot])
 
-    def _gradient(self, slot: int) -> torch.Tensor | None:
-        """g of the class doc for `slot`, from what has completed so far."""
+    def _gradient(self, slot: int, in_place: bool) -> torch.Tensor | None:
+        """g of the class doc for `slot`, from what has completed so far (in_place: summed into kept)."""
         old, new = self.kept[slot], self.results.get(slot)
         param = self.params[slot]
         new = None if new is None else new.view(param.shape).to(param.dtype)
-        return new if old is None else old if new is None else old + new
+        if old is None or new is None:
+            return new if old is None else old
+        return old.add_(new) if in_place else old + new
 
     def end(self) -> list[torch.Tensor | None]:
         """Wait for the reduces in flight; each slot's gradient after this backward (the class doc)."""
         while self.pending:
             self._complete_oldest()
         grads = [self.delivered[slot] if self.reduces.get(slot) == 1 and slot in self.delivered
-                 else self._gradient(slot) for slot in range(len(self.params))]
+                 else self._gradient(slot, in_place=True) for slot in range(len(self.params))]
         self.active, self.kept, self.deliver, self.results, self.delivered, self.reduces = False, [], None, {}, {}, {}
         return grads
