@@ -34,7 +34,7 @@ SOURCES = {
                  "all-reduced per axis."),
     "comm.csv": ("python launch/bench/comm_bytes.py",
                  "Replicate-axis bytes per step for five models, whole model (every parameter, tied weights once; "
-                 "the formula of `shardopt.traffic`), with ✓ where real gloo runs of the two demo GPTs at 2 and 4 "
+                 "the formula of `shardopt.optim.traffic`), with ✓ where real gloo runs of the two demo GPTs at 2 and 4 "
                  "processes counted exactly the formula's bytes and left the replicas identical."),
     "compile.csv": ("python launch/bench/polar_compile.py",
                     "Newton–Schulz through `torch.compile` against eager, per stack of matrices (CPU, one thread): "

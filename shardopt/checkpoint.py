@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save, save_file
 
-from .placement import local
+from .layout.placement import local
 
 FORMAT = "shardopt-optimizer-state/1"
 TENSORS_FORMAT = "shardopt-tensors/1"

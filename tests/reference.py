@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from shardopt.comm import collective_bytes
+from shardopt.wire.comm import collective_bytes
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -77,7 +77,7 @@ def double_averaging_checks(steps: int, every: int = 1000) -> int:
 def dion_bytes(layout, rank_fraction, wire_itemsize, sizes):
     """The tests' one byte oracle for Dion, written from docs/design.md §1 and §9 (not from the code):
     bytes one rank sends per axis in one Dion step of one matrix (a bucket of one), fp64 compute (8 B).
-    layout: a shardopt.placement.MatrixLayout; sizes: axis name → size. Orientation B (a×b): rows split
+    layout: a shardopt.layout.placement.MatrixLayout; sizes: axis name → size. Orientation B (a×b): rows split
     ⇒ B = Xᵀ; unsplit, B = Xᵀ when m < n."""
     m, n = layout.shape
     transpose = bool(layout.row_axes) or (not layout.col_axes and m < n)
@@ -125,7 +125,7 @@ def dion_bytes(layout, rank_fraction, wire_itemsize, sizes):
 
 
 def outer_bytes(exchange: str, n: int, replicas: int, block: int, matrices=(), rank_fraction: float = 0.25) -> int:
-    """The tests' byte oracle for one local-steps sync (docs/design.md §10 and shardopt/outer.py's table,
+    """The tests' byte oracle for one local-steps sync (docs/design.md §10 and shardopt/localsteps/formats.py's table,
     not the code): bytes one replica sends for n entries among M replicas, with `block` entries per
     scale and one fp32 non-finite flag; alltoall_1bit for sign_vote; sign_mean all-gathers. "lowrank": `matrices`, whole
     (m, n) matrices whose P (a×r) and R (b×r) means cross in bf16, r = ⌈rank_fraction·min(m, n)⌉, and

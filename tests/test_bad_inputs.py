@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import shardopt
-from shardopt.registry import algorithm as registered
+from shardopt.algorithms.registry import algorithm as registered
 
 ALGORITHMS = ("dion", "signmuon", "muon", "adamw", "lion")
 
@@ -234,7 +234,7 @@ READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 
 def _reads_in_one_step(monkeypatch, algorithm, *, check, **options) -> int:
     """How many times a step reads a tensor value back to the host (each would be a device sync on CUDA)."""
-    import shardopt.agreement as agreement_module
+    import shardopt.optim.agreement as agreement_module
     opt, params = build(algorithm, **options)
     set_grads(params, 0)
     opt.step()                                   # state created: count a steady-state step

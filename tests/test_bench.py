@@ -18,7 +18,7 @@ import localsteps  # noqa: E402
 import runs  # noqa: E402
 import slowlink  # noqa: E402
 import step_split  # noqa: E402
-from shardopt.comm import collective_bytes  # noqa: E402
+from shardopt.wire.comm import collective_bytes  # noqa: E402
 
 M, N = 48, 32    # the test model: Linear(N → M) with bias: a 48×32 matrix and a 48-vector
 

@@ -35,7 +35,7 @@ def test_dion_on_cuda_matches_float64_reference(qr_method):
     opt = shardopt.Dion(params, rank_fraction=0.25, qr_method=qr_method, seed=2, **hyper)
     loops = []
     for index, X in enumerate(initial):
-        r = shardopt.lowrank.dion_rank(*X.shape, 0.25, 1)
+        r = shardopt.algorithms.lowrank.dion_rank(*X.shape, 0.25, 1)
         loops.append([X, torch.zeros_like(X), reference.initial_q(min(X.shape), r,
                                                                    reference.optimizer_param_seed(2, index))])
     for _ in range(5):
@@ -65,5 +65,5 @@ def test_compiled_newton_schulz_on_cuda_equals_eager():
     G = torch.randn(4, 256, 512, device=CUDA)
     eager = shardopt.polar(G, 5)
     compiled = shardopt.polar(G, 5, compile=True)
-    assert "failed" not in __import__("sys").modules["shardopt.polar"]._compiled
+    assert "failed" not in __import__("sys").modules["shardopt.algorithms.polar"]._compiled
     assert ((compiled.float() - eager.float()).norm() / eager.float().norm()).item() <= 5e-2

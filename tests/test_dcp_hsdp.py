@@ -62,7 +62,7 @@ def _train(mesh, params, opt, steps):
     for step in steps:
         for index, param in enumerate(params):
             G = _replica_gradients(replicas, step, index, param.shape)[replica]
-            layout = shardopt.placement.matrix_layout(param)
+            layout = shardopt.layout.placement.matrix_layout(param)
             param.grad = DTensor.from_local(G[layout.row_start:layout.row_start + layout.rows], param.device_mesh,
                                             param.placements, run_check=False, shape=param.shape, stride=param.stride())
         opt.step()
@@ -119,7 +119,7 @@ def _reference(algorithm, resumed_replicas):
     for index, X in enumerate(initial):
         m, n = X.shape
         if algorithm == "dion":
-            r = shardopt.lowrank.dion_rank(m, n, 0.5, 1)
+            r = shardopt.algorithms.lowrank.dion_rank(m, n, 0.5, 1)
             M, Q = torch.zeros_like(X), reference.initial_q(m, r, reference.optimizer_param_seed(SEED, index))
             for step in range(TOTAL):
                 G = sum(_replica_gradients(2, step, index, X.shape)) / 2

@@ -37,9 +37,10 @@ pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")   # the CPU op compile
 
 import shardopt  # noqa: E402
 import shardopt.deepspeed as sds  # noqa: E402
-from shardopt import Dion, param_groups, traffic  # noqa: E402
-from shardopt.comm import collective_bytes  # noqa: E402
-from shardopt.vote import resolve_vote, vote_bytes  # noqa: E402
+from shardopt import Dion, param_groups
+from shardopt.optim import traffic  # noqa: E402
+from shardopt.wire.comm import collective_bytes  # noqa: E402
+from shardopt.wire.vote import resolve_vote, vote_bytes  # noqa: E402
 from workers import WorkerPool  # noqa: E402
 
 TIMEOUT_S = 150

@@ -32,7 +32,7 @@ import transformers  # noqa: E402,F401
 
 import shardopt.deepspeed as sds  # noqa: E402
 from docblocks import python_block  # noqa: E402
-from shardopt.comm import collective_bytes  # noqa: E402
+from shardopt.wire.comm import collective_bytes  # noqa: E402
 from shardopt.deepspeed.config import plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,9 +26,9 @@ deepspeed = pytest.importorskip("deepspeed")  # imported before the pool forks: 
 pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")   # the CPU op compiled before the pool forks
 
 import shardopt.deepspeed as sds  # noqa: E402
-from shardopt import traffic  # noqa: E402
-from shardopt.comm import Axis, collective_bytes  # noqa: E402
-from shardopt.guard import replicas_equal  # noqa: E402
+from shardopt.optim import traffic  # noqa: E402
+from shardopt.wire.comm import Axis, collective_bytes  # noqa: E402
+from shardopt.optim.guard import replicas_equal  # noqa: E402
 from workers import WorkerPool  # noqa: E402
 
 TIMEOUT_S = 300
@@ -372,7 +372,7 @@ def test_overlap_backward_at_zero_2_equals_the_plain_step_and_starts_in_the_boun
 @pytest.mark.parametrize("sizes,parts", [([1024, 1024, 1024, 512, 256, 32, 32, 8], 2), ([7, 7, 7, 7, 7], 3),
                                          ([100], 4), ([5, 1, 1, 1, 1, 1], 2)])
 def test_owners_balance_within_the_largest_tensor_and_are_deterministic(sizes, parts):
-    from shardopt.placement import assign_owners
+    from shardopt.layout.placement import assign_owners
     owners = assign_owners(sizes, parts)
     loads = [sum(s for s, o in zip(sizes, owners) if o == k) for k in range(parts)]
     assert max(loads) <= sum(sizes) / parts + max(sizes)

@@ -1,4 +1,4 @@
-"""3-D expert stacks (E, m, n) and split (fused) params in the matrix groups (shardopt/matrices.py).
+"""3-D expert stacks (E, m, n) and split (fused) params in the matrix groups (shardopt/layout/matrices.py).
 
 Each expert, and each block of a `split` param, must be stepped exactly as a 2-D param of its
 shape would be: checked against the float64 references of tests/reference.py per matrix, on one
@@ -17,10 +17,10 @@ from torch import nn
 import reference
 import shardopt
 from shardopt.checkpoint import load_optimizer_state, save_optimizer_state
-from shardopt.comm import collective_bytes
-from shardopt.lowrank import dion_rank
-from shardopt.placement import dim0_shards, local
-from shardopt.traffic import double_averaging_check_bytes, nonfinite_check_bytes
+from shardopt.wire.comm import collective_bytes
+from shardopt.algorithms.lowrank import dion_rank
+from shardopt.layout.placement import dim0_shards, local
+from shardopt.optim.traffic import double_averaging_check_bytes, nonfinite_check_bytes
 
 EXPERT_SHAPES = [(3, 12, 8), (5, 6, 10)]     # tall and wide experts; over 4 ranks (1,1,1,0) and (2,2,1,0)
 D, D_KV, N = 8, 4, 8                          # fused QKV: (D + 2·D_KV) × N, split (0, (D, D_KV, D_KV))
@@ -246,7 +246,7 @@ def test_experts_batch_with_same_shape_matrices(algorithm):
     opt_apart = shardopt.SignMuon([{"params": [apart[0]], "algorithm": algorithm},
                                    {"params": [apart[1]], "algorithm": algorithm}], **options)
     group = opt.param_groups[0]
-    buckets = list(shardopt.buckets.capped_buckets(together, group, opt.bucket_bytes, lambda layout: 1))
+    buckets = list(shardopt.layout.buckets.capped_buckets(together, group, opt.bucket_bytes, lambda layout: 1))
     assert [len(bucket) for _, _, bucket in buckets] == [4]
     for step in range(3):
         for a, b in zip(together, apart):
@@ -414,16 +414,16 @@ def test_signmuon_expert_stack_with_column_split_equals_separate_matrices():
 def test_split_blocks_have_their_own_layouts_and_ranks():
     qkv = nn.Parameter(torch.zeros(D + 2 * D_KV, N))
     group = {"algorithm": "dion", "split": (0, (D, D_KV, D_KV)), "rank_fraction": 0.5, "rank_multiple_of": 1}
-    matrices = shardopt.matrices.param_matrices(qkv, group)
+    matrices = shardopt.layout.matrices.param_matrices(qkv, group)
     assert [m.layout.shape for m in matrices] == [(8, 8), (4, 8), (4, 8)]
     assert [m.of(qkv).shape for m in matrices] == [(8, 8), (4, 8), (4, 8)]
-    assert shardopt.dion.q_shape(qkv, group) == ((16, 4), (16, 4))    # b: 8 (q: n), 4, 4; ranks 4, 2, 2
+    assert shardopt.algorithms.dion.q_shape(qkv, group) == ((16, 4), (16, 4))    # b: 8 (q: n), 4, 4; ranks 4, 2, 2
     gate_up = nn.Parameter(torch.zeros(2, 6, 10))                       # experts with a column split
     group = {**group, "split": (-1, (4, 6))}
-    matrices = shardopt.matrices.param_matrices(gate_up, group)
+    matrices = shardopt.layout.matrices.param_matrices(gate_up, group)
     assert [(m.index, m.expert, m.layout.shape) for m in matrices] == [(0, 0, (6, 4)), (1, 0, (6, 6)),
                                                                        (2, 1, (6, 4)), (3, 1, (6, 6))]
-    assert shardopt.dion.q_shape(gate_up, group)[0] == (2, 4 + 6, 3)   # b: 4 (tall 6×4: n), 6 (square: n)
+    assert shardopt.algorithms.dion.q_shape(gate_up, group)[0] == (2, 4 + 6, 3)   # b: 4 (tall 6×4: n), 6 (square: n)
 
 
 # ---- bad split options --------------------------------------------------------------------------------

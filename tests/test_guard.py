@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 import reference
 import shardopt
-from shardopt import traffic
-from shardopt.comm import collective_bytes
+from shardopt.optim import traffic
+from shardopt.wire.comm import collective_bytes
 from workers import WorkerPool
 
 WORLD = 4
@@ -244,7 +244,7 @@ def test_describe_names_the_check():
 
 def test_bit_hash_in_chunks_equals_the_whole_sum(monkeypatch):
     """bit_hash sums Σ bits_i·(2654435761·i + 1) chunk by chunk (bounded temporaries): the same value."""
-    from shardopt import guard
+from shardopt.optim import guard
     tensor = torch.randn(1001, dtype=torch.float64)
     raw = tensor.view(torch.int64)
     whole = (raw * (torch.arange(raw.numel(), dtype=torch.int64) * 2654435761 + 1)).sum()
@@ -266,8 +266,8 @@ def _replicas_equal_after_flipping(rank_to_flip):
     """replicas_equal over the world after the last bit of one weight is flipped on rank
     `rank_to_flip` (None: nothing flipped), with the bytes it spent; and the optimizer's
     replicas_consistent, which is the same check on its replicate axis."""
-    from shardopt.comm import Axis
-    from shardopt.guard import replicas_equal
+    from shardopt.wire.comm import Axis
+    from shardopt.optim.guard import replicas_equal
     model = Net()
     if dist.get_rank() == rank_to_flip:
         with torch.no_grad():

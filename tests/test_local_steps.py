@@ -13,9 +13,9 @@ import torch
 
 import reference
 import shardopt
-from shardopt.comm import collective_bytes
-from shardopt.guard import bit_hash
-from shardopt.outer import EXCHANGES
+from shardopt.wire.comm import collective_bytes
+from shardopt.optim.guard import bit_hash
+from shardopt.localsteps.formats import EXCHANGES
 
 SHAPES = [(8, 6), (5,), (4, 4)]
 NUMEL = sum(torch.Size(shape).numel() for shape in SHAPES)

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from reference import newton_schulz
-from shardopt.comm import Axes, Axis
-from shardopt.elementwise import adamw_update
-from shardopt.exchange import Vote
-from shardopt.lowrank import column_normalize, dion_rank, orthonormalize
-from shardopt.nonmatrix import lion_step
-from shardopt.polar import polar
-from shardopt.schedule import complete
-from shardopt.signs import majority, pack_signs, padded_length, positive_signs, unpack_signs
-from shardopt.vote import vote_format
+from shardopt.wire.comm import Axes, Axis
+from shardopt.algorithms.elementwise import adamw_update
+from shardopt.wire.exchange import Vote
+from shardopt.algorithms.lowrank import column_normalize, dion_rank, orthonormalize
+from shardopt.algorithms.nonmatrix import lion_step
+from shardopt.algorithms.polar import polar
+from shardopt.optim.schedule import complete
+from shardopt.wire.signs import majority, pack_signs, padded_length, positive_signs, unpack_signs
+from shardopt.wire.vote import vote_format
 
 A, B, C = 3.4445, -4.7750, 2.0315
 

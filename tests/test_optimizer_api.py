@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import shardopt
-from shardopt.comm import collective_bytes
-from shardopt.vote import resolve_vote, vote_bytes
+from shardopt.wire.comm import collective_bytes
+from shardopt.wire.vote import resolve_vote, vote_bytes
 
 
 class TinyLM(nn.Module):

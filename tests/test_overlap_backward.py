@@ -23,8 +23,8 @@ import torch.distributed.tensor  # noqa: F401  same: DeviceMesh/DTensor machiner
 
 import shardopt
 import shardopt.ddp
-from shardopt.comm import Axis
-from shardopt.placement import local
+from shardopt.wire.comm import Axis
+from shardopt.layout.placement import local
 
 TIMEOUT_S = 60
 

@@ -1,4 +1,4 @@
-"""Newton–Schulz coefficient schedules (shardopt/polar.py, the `ns_coefficients` option): the published
+"""Newton–Schulz coefficient schedules (shardopt/algorithms/polar.py, the `ns_coefficients` option): the published
 Polar Express coefficients re-derived, each schedule's effect on singular values, sign agreement with
 the exact polar factor on a real gradient, the option's validation, and the default path unchanged."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import shardopt
-from shardopt.polar import POLAR_EXPRESS_OPTIMAL, QUINTIC, SCHEDULES, polar
-from shardopt.signs import positive_signs
+from shardopt.algorithms.polar import POLAR_EXPRESS_OPTIMAL, QUINTIC, SCHEDULES, polar
+from shardopt.wire.signs import positive_signs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "integrations"))
@@ -222,7 +222,7 @@ def test_ns_coefficients_reaches_the_step_and_quintic_is_the_default(algorithm):
 
 
 def quintic_as_before(G: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """shardopt.polar's quintic before the schedules existed (commit 9019c18), operation for operation."""
+    """shardopt.algorithms.polar's quintic before the schedules existed (commit 9019c18), operation for operation."""
     X = G.to(dtype)
     tall = X.size(-2) > X.size(-1)
     X = X.mT if tall else X

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shardopt
-from shardopt import registry, signmuon
+from shardopt.algorithms import registry, signmuon
 
 
 def nesterov_options(group: dict) -> dict:

@@ -8,7 +8,7 @@ Pinned here:
   makes each the mean.
 - Sign-Muon's vote equals sign(Σ sign(polar(Mᵢ))) computed from every replica's
   direction, exactly, with each format's tie rule (abstain for "allreduce_int8", the
-  shared coins `shardopt.vote.tie_coins(n, bucket_seed, M, None)` for the 1-bit formats).
+  shared coins `shardopt.wire.vote.tie_coins(n, bucket_seed, M, None)` for the 1-bit formats).
 - Parameters stay bit-identical on all replicas in every mode.
 - comm_stats() equals docs/design.md's byte formulas; the 768×3072 ratios against an fp32 ring all-reduce.
 - Bad replicate meshes and vote names raise ValueError.
@@ -24,11 +24,11 @@ import torch.distributed.tensor  # noqa: F401  same: DeviceMesh/DTensor machiner
 
 import reference
 import shardopt
-from shardopt import traffic
-from shardopt.comm import Axis, collective_bytes
-from shardopt.placement import MatrixLayout
-from shardopt.schedule import complete
-from shardopt.vote import FORMATS, resolve_vote, tie_coins, vote_bytes
+from shardopt.optim import traffic
+from shardopt.wire.comm import Axis, collective_bytes
+from shardopt.layout.placement import MatrixLayout
+from shardopt.optim.schedule import complete
+from shardopt.wire.vote import FORMATS, resolve_vote, tie_coins, vote_bytes
 
 WORLD_SIZES = [2, 3, 4]
 TIMEOUT_S = 60
@@ -89,7 +89,7 @@ def _dion_run(rank_fraction, mesh_kind, wire_dtype="float32", steps=20, check_at
     loops = []   # [X, M, Q] per matrix for reference.dion_step
     for index, X in enumerate(_matrices(DION_SHAPES)):
         m, n = X.shape
-        r = shardopt.lowrank.dion_rank(m, n, rank_fraction, 1)
+        r = shardopt.algorithms.lowrank.dion_rank(m, n, rank_fraction, 1)
         loops.append([X.detach(), torch.zeros_like(X), reference.initial_q(m if m < n else n, r,
                                                                            reference.optimizer_param_seed(OPT_SEED, index))])
     out = {}
@@ -290,8 +290,8 @@ WIRE_TOLERANCE = {"float32": (1e-6, 1e-6), "bfloat16": (1e-3, 5e-3)}
 def test_dion_compressed_matches_single_process_float64_on_mean_gradient(pools, world_size, wire_dtype):
     mesh_kind = "device_mesh" if world_size == 3 else "process_group"
     results = pools(world_size).run(_dion_run, 0.25, mesh_kind, wire_dtype, timeout_s=TIMEOUT_S)
-    layouts = [shardopt.placement.MatrixLayout(s, (s[0],)) for s in DION_SHAPES]
-    assert all(shardopt.dion.compressed(layout, {"rank_fraction": 0.25, "rank_multiple_of": 1}) for layout in layouts)
+    layouts = [shardopt.layout.placement.MatrixLayout(s, (s[0],)) for s in DION_SHAPES]
+    assert all(shardopt.algorithms.dion.compressed(layout, {"rank_fraction": 0.25, "rank_multiple_of": 1}) for layout in layouts)
     tolerance, momentum_tolerance = WIRE_TOLERANCE[wire_dtype]
     for result in results:
         assert max(result["errors"]) <= tolerance, result["errors"]            # after 10 steps
@@ -409,7 +409,7 @@ def test_768x3072_bytes_against_fp32_ring_allreduce_at_4_replicas(pools):
     result = pools(M).run(_large_matrix_bytes, M, timeout_s=TIMEOUT_S)[0]
     fp32_allreduce = 8 * m * n * (M - 1) // M
     assert fp32_allreduce == collective_bytes("all_reduce", 4 * m * n, M)
-    r = shardopt.lowrank.dion_rank(m, n, 0.25, 1)
+    r = shardopt.algorithms.lowrank.dion_rank(m, n, 0.25, 1)
     # the exchange itself (the step's checks, 42 bytes at step 1, are separate; see _check_bytes)
     vote_sent, dion_sent = result["signmuon"] - _check_bytes(M), result["dion"] - _check_bytes(M)
     assert vote_sent == m * n * (M - 1) // (4 * M) + (M - 1)    # + one silence-flag byte from each other replica

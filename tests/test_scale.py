@@ -31,10 +31,10 @@ import torch.distributed.tensor  # noqa: F401
 
 import reference
 import shardopt
-from shardopt import traffic
-from shardopt.buckets import chunk_sizes
-from shardopt.comm import collective_bytes
-from shardopt.lowrank import orthonormalize
+from shardopt.optim import traffic
+from shardopt.layout.buckets import chunk_sizes
+from shardopt.wire.comm import collective_bytes
+from shardopt.algorithms.lowrank import orthonormalize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,7 @@ def test_dion_rcqr_matches_float64_reference():
     loops = []
     for index, X in enumerate(initial):
         m, n = X.shape
-        r = shardopt.lowrank.dion_rank(m, n, 0.25, 1)
+        r = shardopt.algorithms.lowrank.dion_rank(m, n, 0.25, 1)
         loops.append([X, torch.zeros_like(X), reference.initial_q(min(m, n), r, reference.optimizer_param_seed(4, index))])
     for step in range(10):
         for index, param in enumerate(params):
@@ -169,13 +169,13 @@ def _split_dion_run(use_mesh, wire_dtype):
     counting the matrices and FLOPs (2·a·r² each, Householder) that this rank orthonormalizes."""
     rank, world = dist.get_rank(), dist.get_world_size()
     counted = {"matrices": 0, "flops": 0}
-    original = shardopt.dion.orthonormalize
+    original = shardopt.algorithms.dion.orthonormalize
 
     def counting(P, method="qr", seed=0):
         counted["matrices"] += P.shape[0]
         counted["flops"] += 2 * P.shape[0] * P.shape[1] * P.shape[2] ** 2
         return original(P, method, seed)
-    shardopt.dion.orthonormalize = counting
+    shardopt.algorithms.dion.orthonormalize = counting
     try:
         hyper = dict(lr=0.02, mu=0.9, weight_decay=0.1)
         generator = torch.Generator().manual_seed(0)
@@ -184,7 +184,7 @@ def _split_dion_run(use_mesh, wire_dtype):
         opt = shardopt.Dion(params, rank_fraction=0.25, replicate_mesh=dist.group.WORLD if use_mesh else None,
                             seed=1, wire_dtype=wire_dtype, **hyper)
         m, n = SPLIT_SHAPE
-        r = shardopt.lowrank.dion_rank(m, n, 0.25, 1)
+        r = shardopt.algorithms.lowrank.dion_rank(m, n, 0.25, 1)
         loops = [[X, torch.zeros_like(X), reference.initial_q(n, r, reference.optimizer_param_seed(1, i))]
                  for i, X in enumerate(initial)]
         for step in range(SPLIT_STEPS):
@@ -199,7 +199,7 @@ def _split_dion_run(use_mesh, wire_dtype):
         return {**counted, "error": error, "bytes": opt.comm_stats()["replicate"]["bytes_sent"],
                 "params": torch.cat([p.detach().reshape(-1) for p in params]), "consistent": opt.replicas_consistent()}
     finally:
-        shardopt.dion.orthonormalize = original
+        shardopt.algorithms.dion.orthonormalize = original
 
 
 # (wire dtype, relative error bound vs the float64 reference): float32 as the reference's 1e-6; bfloat16
@@ -209,7 +209,7 @@ def test_dion_orthonormalization_split_over_4_replicas_same_bytes(pool4, wire_dt
     split = pool4.run(_split_dion_run, True, wire_dtype)
     alone = pool4.run(_split_dion_run, False, wire_dtype)[0]
     m, n = SPLIT_SHAPE
-    r = shardopt.lowrank.dion_rank(m, n, 0.25, 1)
+    r = shardopt.algorithms.lowrank.dion_rank(m, n, 0.25, 1)
     wire = torch.empty(0, dtype=getattr(torch, wire_dtype)).element_size()
     for result in split:
         assert result["flops"] <= 0.35 * alone["flops"], (result["flops"], alone["flops"])
@@ -230,12 +230,12 @@ def _split_dion_sharded(replicate, shard):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     counted = {"matrices": 0}
-    original = shardopt.dion.orthonormalize
+    original = shardopt.algorithms.dion.orthonormalize
 
     def counting(P, method="qr", seed=0):
         counted["matrices"] += P.shape[0]
         return original(P, method, seed)
-    shardopt.dion.orthonormalize = counting
+    shardopt.algorithms.dion.orthonormalize = counting
     try:
         mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
         hyper = dict(lr=0.02, mu=0.9, weight_decay=0.1)
@@ -247,7 +247,7 @@ def _split_dion_sharded(replicate, shard):
         params = list(model.parameters())
         opt = shardopt.Dion(params, rank_fraction=0.25, replicate_mesh=mesh["replicate"], seed=3, wire_dtype="float32",
                             **hyper)
-        r = shardopt.lowrank.dion_rank(24, 16, 0.25, 1)
+        r = shardopt.algorithms.lowrank.dion_rank(24, 16, 0.25, 1)
         refs = [[X, torch.zeros_like(X), reference.initial_q(24, r, reference.optimizer_param_seed(3, i))]
                 for i, X in enumerate(initial)]
         replica = mesh.get_local_rank("replicate")
@@ -255,7 +255,7 @@ def _split_dion_sharded(replicate, shard):
             for index, param in enumerate(params):
                 grads = [torch.randn(24, 16, generator=torch.Generator().manual_seed(100 * j + 10 * step + index),
                                      dtype=torch.float64) for j in range(replicate)]
-                layout = shardopt.placement.matrix_layout(param)
+                layout = shardopt.layout.placement.matrix_layout(param)
                 rows = grads[replica][layout.row_start:layout.row_start + layout.rows]
                 param.grad = DTensor.from_local(rows, param.device_mesh, param.placements, run_check=False,
                                                 shape=param.shape, stride=param.stride())
@@ -265,7 +265,7 @@ def _split_dion_sharded(replicate, shard):
         error = max(((p.full_tensor() - ref[0]).norm() / ref[0].norm()).item() for p, ref in zip(params, refs))
         return {"error": error, "matrices": counted["matrices"], "consistent": opt.replicas_consistent()}
     finally:
-        shardopt.dion.orthonormalize = original
+        shardopt.algorithms.dion.orthonormalize = original
 
 
 @pytest.mark.parametrize("mesh", [(1, 4), (2, 2)], ids=["fsdp_1x4", "hsdp_2x2"])
@@ -308,7 +308,7 @@ def test_param_missing_gradient_on_some_ranks_is_stepped_on_all_and_on_none_is_s
 
 # ---- torch.compile option -------------------------------------------------------------------------
 def test_compile_falls_back_to_eager_when_compiling_fails(monkeypatch, caplog):
-    polar_module = sys.modules["shardopt.polar"]   # the module (shardopt.polar is also the function)
+    polar_module = sys.modules["shardopt.algorithms.polar"]   # the module (shardopt.algorithms.polar is also the function)
 
     def failing(fn, **kwargs):
         def compiled(*args):
@@ -334,8 +334,8 @@ def _vote_temporaries(fmt, n):
     """Every tensor the vote's ops produce on this rank: (op name, dtype, numel)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from shardopt.schedule import complete
-    from shardopt.vote import FORMATS
+    from shardopt.optim.schedule import complete
+    from shardopt.wire.vote import FORMATS
     seen = []
 
     class Record(TorchDispatchMode):
@@ -347,7 +347,7 @@ def _vote_temporaries(fmt, n):
             return out
     positive = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank())) >= 0
     with Record():
-        V = complete(FORMATS[fmt].exchange(positive, shardopt.comm.Axis("replicate", dist.group.WORLD), seed=9))
+        V = complete(FORMATS[fmt].exchange(positive, shardopt.wire.comm.Axis("replicate", dist.group.WORLD), seed=9))
     return {"seen": seen, "V": V}
 
 

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 import reference
 import shardopt
-from shardopt import traffic
-from shardopt.comm import collective_bytes
-from shardopt.placement import MatrixLayout, chunk_rows
+from shardopt.optim import traffic
+from shardopt.wire.comm import collective_bytes
+from shardopt.layout.placement import MatrixLayout, chunk_rows
 from workers import WorkerPool
 
 SHAPES = [(24, 16), (16, 40), (18, 64), (3, 64)]   # tall, wide, uneven over 4 (5,5,5,3), empty shard (1,1,1,0)
@@ -53,7 +53,7 @@ def _set_local_grads(params, replica, step):
     from torch.distributed.tensor import DTensor
     for index, param in enumerate(params):
         G = _replica_gradient(replica, step, index, param.shape)
-        layout = shardopt.placement.matrix_layout(param)
+        layout = shardopt.layout.placement.matrix_layout(param)
         rows = G[layout.row_start:layout.row_start + layout.rows]
         param.grad = DTensor.from_local(rows, param.device_mesh, param.placements, run_check=False,
                                         shape=param.shape, stride=param.stride())
@@ -69,7 +69,7 @@ def _run_dion(replicate, shard, rank_fraction, steps=10, wire_dtype="float32"):
     refs = []
     for index, X in enumerate(initial):
         m, n = X.shape
-        r = shardopt.lowrank.dion_rank(m, n, rank_fraction, 1)
+        r = shardopt.algorithms.lowrank.dion_rank(m, n, rank_fraction, 1)
         refs.append([X, torch.zeros_like(X), reference.initial_q(m, r, reference.optimizer_param_seed(3, index))])
     for step in range(steps):
         _set_local_grads(params, replica, step)
@@ -168,7 +168,7 @@ def test_hsdp_comm_stats_equal_design_formulas(pool4, wire_dtype):
     steps = 10
     results = pool4.run(_run_dion, 2, 2, 0.25, steps, wire_dtype)
     shard_bytes, replicate_bytes = _dion_hsdp_bytes(0.25, torch.empty(0, dtype=getattr(torch, wire_dtype)).element_size())
-    assert all(shardopt.dion.compressed(shardopt.placement.MatrixLayout(s, (s[0],), sharded=True),
+    assert all(shardopt.algorithms.dion.compressed(shardopt.layout.placement.MatrixLayout(s, (s[0],), sharded=True),
                                         {"rank_fraction": 0.25, "rank_multiple_of": 1}) for s in SHAPES)
     for rank, result in enumerate(results):
         # + step 1's double-averaging check: (h, −h, nonzero) over the replicas, the verdict over the shards
@@ -197,7 +197,7 @@ def _clip_on_2x2(max_norm):
     stats = opt.comm_stats()
     errors = []
     for index, param in enumerate(params):
-        layout = shardopt.placement.matrix_layout(param)
+        layout = shardopt.layout.placement.matrix_layout(param)
         rows = (1 + 2 * replica) * _replica_gradient(replica, 0, index, param.shape)[layout.row_start:layout.row_start + layout.rows]
         errors.append(max((param.grad.to_local() - rows * factor).abs().flatten().tolist(), default=0.0))
     for step in range(1, 4):       # clipped steps keep the replicas bit-identical

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import reference
 import shardopt
-from shardopt import traffic
-from shardopt.comm import collective_bytes
+from shardopt.optim import traffic
+from shardopt.wire.comm import collective_bytes
 
 # tall, wide, uneven columns over 2 (4, 3), an empty column shard (1, 0), an empty row shard (1, 0)
 SHAPES = [(24, 16), (16, 40), (18, 7), (5, 1), (1, 6)]
@@ -89,7 +89,7 @@ def _block(full, layout):
 def _set_local_grads(params, replica, step):
     from torch.distributed.tensor import DTensor
     for index, param in enumerate(params):
-        layout = shardopt.placement.matrix_layout(param)
+        layout = shardopt.layout.placement.matrix_layout(param)
         block = _block(_replica_gradient(replica, step, index, param.shape), layout).contiguous()
         param.grad = DTensor.from_local(block, param.device_mesh, param.placements, run_check=False,
                                         shape=param.shape, stride=param.stride())
@@ -108,11 +108,11 @@ def _run_dion(case, rank_fraction, steps=10, wire_dtype="float32", pass_meshes=F
     hyper = dict(lr=0.02, mu=0.9, weight_decay=0.1)
     meshes = {f"{name}_mesh": mesh[name] for name in names} if pass_meshes else {}
     opt = shardopt.Dion(params, rank_fraction=rank_fraction, seed=3, wire_dtype=wire_dtype, **meshes, **hyper)
-    layouts = [shardopt.placement.matrix_layout(p) for p in params]
+    layouts = [shardopt.layout.placement.matrix_layout(p) for p in params]
     refs = []
     for index, (X, layout) in enumerate(zip(initial, layouts)):
         m, n = X.shape
-        r = shardopt.lowrank.dion_rank(m, n, rank_fraction, 1)
+        r = shardopt.algorithms.lowrank.dion_rank(m, n, rank_fraction, 1)
         b = m if layout.transpose else n
         refs.append([X, torch.zeros_like(X), reference.initial_q(b, r, reference.optimizer_param_seed(3, index))])
     for step in range(steps):
@@ -161,7 +161,7 @@ def _run_signmuon(case, orthogonalize, steps=4):
     beta, lr = 0.8, 0.01
     opt = shardopt.SignMuon(params, lr=lr, momentum=beta, orthogonalize=orthogonalize, vote="allreduce_int8",
                             ns_dtype="float64")
-    layouts = [shardopt.placement.matrix_layout(p) for p in params]
+    layouts = [shardopt.layout.placement.matrix_layout(p) for p in params]
     X = [x.clone() for x in initial]
     M = [[torch.zeros_like(x) for x in initial] for _ in range(replicas)]
     for step in range(steps):
@@ -177,7 +177,7 @@ def _run_signmuon(case, orthogonalize, steps=4):
                     block = _block(M[j][index], layout)
                     directions.append(reference.newton_schulz(block) if block.numel() else block)
             _block(x, layout).sub_(lr * reference.vote_signs(directions))     # this rank's block of X
-    mismatch = max((shardopt.placement.local(p) - _block(x, layout)).abs().max().item() if shardopt.placement.local(p).numel() else 0.0
+    mismatch = max((shardopt.layout.placement.local(p) - _block(x, layout)).abs().max().item() if shardopt.layout.placement.local(p).numel() else 0.0
                    for p, x, layout in zip(params, X, layouts))
     stats = opt.comm_stats()
     full_polar_bytes = dict.fromkeys(("shard", "tensor"), 0)
@@ -240,11 +240,11 @@ def _autograd_strided(steps=3):
     mesh, model, params, initial = _strided_model()
     hyper = dict(lr=0.05, mu=0.9, weight_decay=0.1)
     opt = shardopt.Dion(params, rank_fraction=0.5, seed=5, **hyper)
-    layouts = [shardopt.placement.matrix_layout(p) for p in params]
+    layouts = [shardopt.layout.placement.matrix_layout(p) for p in params]
     reference_model = torch.nn.Sequential(torch.nn.Linear(6, 10, bias=False), torch.nn.Linear(10, 7, bias=False)).double()
     refs = []
     for index, (X, layout) in enumerate(zip(initial, layouts)):
-        r = shardopt.lowrank.dion_rank(*X.shape, 0.5, 1)
+        r = shardopt.algorithms.lowrank.dion_rank(*X.shape, 0.5, 1)
         b = X.shape[0] if layout.transpose else X.shape[1]
         refs.append([X, torch.zeros_like(X), reference.initial_q(b, r, reference.optimizer_param_seed(5, index))])
     half = mesh.get_local_rank("shard")
@@ -368,7 +368,7 @@ def _uneven_strided_buckets(bucket_bytes, steps=3):
         for index, ref in enumerate(refs):
             G = _replica_gradient(0, step, index, ref[0].shape)
             refs[index] = list(reference.dion_step(ref[0], G, ref[1], ref[2], transpose=True, **hyper))
-    layout = shardopt.placement.matrix_layout(params[0])
+    layout = shardopt.layout.placement.matrix_layout(params[0])
     return {"errors": [((p.full_tensor() - ref[0]).norm() / ref[0].norm()).item() for p, ref in zip(params, refs)],
             "local_rows": layout.rows, "largest_block": layout.largest_block}
 

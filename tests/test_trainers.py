@@ -20,7 +20,7 @@ from docblocks import python_block
 transformers = pytest.importorskip("transformers", reason="the [hf] extra (transformers, accelerate) is not installed")
 pytest.importorskip("accelerate", reason="the [hf] extra (transformers, accelerate) is not installed")
 
-from shardopt import traffic  # noqa: E402
+from shardopt.optim import traffic  # noqa: E402
 from shardopt.hf import ShardoptCallback, ShardoptFactory, optimizer_cls_and_kwargs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ nothing crosses the replicate axis at full precision.
 An LM whose 8192×256 embedding and untied 256×8192 head are 2/3 of its parameters, four 256↔1024
 MLP blocks, 2 replicas (gloo processes), each on its own tokens of a learnable next-token map:
 - Sign-Muon + Lion-vote sends ≤ 1/25 of a float32 all-reduce of every parameter per step, Dion 1/4
-  (bf16 wire) + Lion-vote ≤ 1/10; the counted bytes equal `shardopt.traffic`'s formula;
+  (bf16 wire) + Lion-vote ≤ 1/10; the counted bytes equal `shardopt.optim.traffic`'s formula;
 - the replicas' weights stay bit-identical and the loss goes down.
 """
 
@@ -16,7 +16,7 @@ from torch import nn
 
 import reference
 import shardopt
-from shardopt import traffic
+from shardopt.optim import traffic
 from workers import WorkerPool
 
 VOCAB, WIDTH, HIDDEN, BLOCKS, STEPS = 8192, 256, 1024, 4, 12

@@ -27,7 +27,7 @@ def _loopback_tx() -> int:
 def _sent_and_counted(kind: str):
     """(bytes each rank put on lo per call, bytes the Axis counted per call, the result on this rank)."""
     import torch.distributed as dist
-    from shardopt.comm import Axis
+    from shardopt.wire.comm import Axis
     axis = Axis("replicate", dist.group.WORLD)
     rank = dist.get_rank()
     tensor = torch.arange(NUMEL, dtype=torch.float32) + rank          # rank r: [r, 1 + r, …]

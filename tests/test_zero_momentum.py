@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 import shardopt
-from shardopt.comm import Axis
-from shardopt.schedule import complete
-from shardopt.vote import FORMATS, VOTE_FORMATS, tie_coins, vote_bytes
+from shardopt.wire.comm import Axis
+from shardopt.optim.schedule import complete
+from shardopt.wire.vote import FORMATS, VOTE_FORMATS, tie_coins, vote_bytes
 
 TIMEOUT_S = 120.0
 EXPERTS, ROWS, COLS = 4, 12, 8

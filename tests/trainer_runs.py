@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import shardopt
-from shardopt.frameworks import shardopt_optimizer
-from shardopt.guard import bit_hash
+from shardopt.frameworks.common import shardopt_optimizer
+from shardopt.optim.guard import bit_hash
 from shardopt.hf import ShardoptCallback
 from two_processes import finish
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import shardopt.deepspeed
-from shardopt.comm import collective_bytes
+from shardopt.wire.comm import collective_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: model.py, data.py
 import data  # noqa: E402

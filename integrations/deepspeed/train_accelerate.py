@@ -25,7 +25,7 @@ from accelerate.utils import DeepSpeedPlugin, DummyOptim, InitProcessGroupKwargs
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import shardopt.deepspeed
-from shardopt.comm import collective_bytes
+from shardopt.wire.comm import collective_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: data.py
 import data  # noqa: E402

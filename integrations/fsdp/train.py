@@ -60,8 +60,8 @@ import shardopt  # noqa: E402
 import training  # noqa: E402
 import step_profile  # noqa: E402
 import world  # noqa: E402  (integrations/fsdp/world.py)
-from shardopt.polar import SCHEDULES  # noqa: E402
-from shardopt.vote import resolve_vote  # noqa: E402
+from shardopt.algorithms.polar import SCHEDULES  # noqa: E402
+from shardopt.wire.vote import resolve_vote  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 started = time.perf_counter()
@@ -84,7 +84,7 @@ parser.add_argument("--wire-dtype", choices=("bfloat16", "float32"),
 parser.add_argument("--momentum", type=float, help="signmuon, muon: EMA momentum")
 parser.add_argument("--ns-steps", type=int, help="signmuon, muon: Newton–Schulz steps")
 parser.add_argument("--ns-coefficients", choices=tuple(SCHEDULES), help="signmuon, muon: Newton–Schulz coefficient "
-                    "schedule (Muon's quintic, or Polar Express's per-step quintics: shardopt/polar.py)")
+                    "schedule (Muon's quintic, or Polar Express's per-step quintics: shardopt/algorithms/polar.py)")
 parser.add_argument("--vote", choices=shardopt.VOTE_FORMATS + ("auto",), help="signmuon: wire format of the majority vote")
 training.add_renamed(parser, "--nonmatrix-algorithm", "--scalar-algorithm", choices=("adamw", "lion"), help="embeddings, "
                      "norms and head: AdamW (full-precision gradient mean) or Lion (1-bit majority vote over the replicas)")
@@ -116,7 +116,7 @@ parser.add_argument("--check-replicas-every", type=int, help="every N steps chec
 parser.add_argument("--local-steps", type=int, metavar="H", help="local steps (docs/design.md §10): the "
                     "optimizer steps on the shard axis only and the replicas sync every H steps through "
                     "shardopt.LocalSteps (0: off, every step exchanges)")
-parser.add_argument("--outer-exchange", choices=shardopt.outer.EXCHANGES, help="local steps: the format of the "
+parser.add_argument("--outer-exchange", choices=shardopt.localsteps.formats.EXCHANGES, help="local steps: the format of the "
                     "pseudo-gradient on the replicate axis")
 parser.add_argument("--outer-lr", type=float, help="local steps: lr of the outer SGD (Nesterov)")
 parser.add_argument("--outer-momentum", type=float, help="local steps: momentum of the outer SGD")

@@ -12,7 +12,7 @@ group), exactly as a user's run would split them; tied weights count once.
 Methods: DDP fp32 and DDP bf16 (a ring all-reduce of every gradient: what users run today),
 Dion at rank_fraction 1/4 and 1/16 (bf16 and fp32 wire), Sign-Muon (vote "auto"); each shardopt
 method with AdamW (full-precision mean) or Lion (1-bit vote) for the non-matrix group (the `scalar`
-column). Formula rows come from `shardopt.traffic` (the functions the communication layer counts with, on the buckets
+column). Formula rows come from `shardopt.optim.traffic` (the functions the communication layer counts with, on the buckets
 the optimizer forms) and include the step's non-finite check; measured rows run one real step on
 gloo processes for the two demo GPTs and read `comm_stats()`, less the double-averaging check that
 step 1 (and every N-th step after) adds: `measured == formula` must hold.
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "integrations"))
 import shardopt  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from campaign import write_csv  # noqa: E402
-from shardopt import traffic  # noqa: E402
+from shardopt.optim import traffic  # noqa: E402
 
 REPLICAS = (2, 4, 8, 64)
 MEASURED_MODELS = ("demo GPT (bytes)", "demo GPT (BPE-4096)")

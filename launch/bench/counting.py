@@ -8,7 +8,7 @@ modules only: every attribute is torch.distributed's, except `all_reduce`, which
 bytes of the tensor it is handed, then calls the real one. So the count is what the hooks
 actually hand to the wire (PowerSGD's P, Q and uncompressed tensors, including the ones it issues
 from future callbacks), with the same formula as shardopt's comm layer (ring all-reduce: a rank
-sends 2·(M−1)·S/M bytes for an S-byte input over M ranks; `shardopt.comm.collective_bytes`).
+sends 2·(M−1)·S/M bytes for an S-byte input over M ranks; `shardopt.wire.comm.collective_bytes`).
 
 Bytes are kept per kind of group: `between_nodes` (a group with ranks on more than one node:
 the slow link, what shardopt calls the replicate axis) and `within_node`. A group that spans nodes
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 
-from shardopt.comm import collective_bytes
+from shardopt.wire.comm import collective_bytes
 
 HOOK_MODULES = (default_hooks, powerSGD_hook, averaging_utils)
 

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "integrations"))
 import shardopt.deepspeed  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from shardopt.comm import Axis  # noqa: E402
-from shardopt.guard import replicas_equal  # noqa: E402
+from shardopt.wire.comm import Axis  # noqa: E402
+from shardopt.optim.guard import replicas_equal  # noqa: E402
 
 OPTIMIZERS = {"Dion": {"lr": 0.02, "rank_fraction": 0.25}, "SignMuon": {"lr": 0.003, "momentum": 0.9}}
 MESH = {"replicate": 2, "shard": 2}

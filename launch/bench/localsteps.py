@@ -55,7 +55,7 @@ from pathlib import Path
 
 import campaign
 import runs
-from shardopt.outer import EXCHANGES
+from shardopt.localsteps.formats import EXCHANGES
 
 FIELDS = ["method", "inner", "H", "replicas", "exchange", "outer_lr", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
           "final_val_loss", "replicate_bytes_total", "link_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",

@@ -33,8 +33,8 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.nn.parallel import DistributedDataParallel
 
 import shardopt
-from shardopt import guard
-from shardopt.comm import Axis
+from shardopt.optim import guard
+from shardopt.wire.comm import Axis
 from counting import CountingAllReduce
 
 METHODS = ("ddp_adamw", "ddp_muon", "powersgd", "localsgd", "signsgd")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from shardopt.polar import polar
+from shardopt.algorithms.polar import polar
 
 from campaign import write_csv
 

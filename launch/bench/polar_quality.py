@@ -9,10 +9,10 @@ lr 1.5e-3, momentum 0.95, 5 quintic steps; Lion-vote embeddings and norms at 1e-
 results/convergence_best.csv), and the momentum of every 2-D weight is taken at each of --snapshots.
 Each momentum M is orthogonalized as a whole matrix (one replica, shard 1) and as its two row blocks
 (shard 2 with orthogonalize="shard": what each rank of the 2 × 2 convergence runs orthogonalizes).
-For each block shape, schedule (shardopt/polar.py SCHEDULES) and step count, against the exact polar
+For each block shape, schedule (shardopt/algorithms/polar.py SCHEDULES) and step count, against the exact polar
 factor P = U·Vᵀ of the SVD M = U·Σ·Vᵀ in float64:
 
-    sign_agreement  fraction of entries with sign(polar(M)) = sign(P) (sign(0) = +1, shardopt.signs):
+    sign_agreement  fraction of entries with sign(polar(M)) = sign(P) (sign(0) = +1, shardopt.wire.signs):
                     the bits Sign-Muon votes with
     relative_error  ‖polar(M) − P‖_F / ‖P‖_F (averaged over the matrices of the shape)
     ms_per_call     median CPU time of one fp32 polar call on the stack of the shape's matrices of one
@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 import shardopt
-from shardopt.polar import SCHEDULES, polar
-from shardopt.signs import positive_signs
+from shardopt.algorithms.polar import SCHEDULES, polar
+from shardopt.wire.signs import positive_signs
 
 from campaign import ROOT, write_csv
 

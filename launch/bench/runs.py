@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from campaign import BENCH, ROOT, read_csv
-from shardopt.polar import SCHEDULES
+from shardopt.algorithms.polar import SCHEDULES
 
 FSDP_TRAIN = ROOT / "integrations" / "fsdp" / "train.py"
 DDP_TRAIN = BENCH / "train_ddp.py"
@@ -103,7 +103,7 @@ def newton_schulz_optimizer(method: Method) -> bool:
 
 def polar_variant(method: Method, ns_steps: int, coefficients: str) -> Method:
     """`method` (one of Sign-Muon's or Muon's) with `ns_steps` Newton–Schulz steps of the `coefficients`
-    schedule (shardopt/polar.py), labelled e.g. signmuon_lion_ns2_polar_express."""
+    schedule (shardopt/algorithms/polar.py), labelled e.g. signmuon_lion_ns2_polar_express."""
     if not newton_schulz_optimizer(method):
         raise SystemExit(f"--ns-steps/--ns-coefficients: {method.name} has no Newton–Schulz step of shardopt's "
                          f"(choose signmuon methods)")

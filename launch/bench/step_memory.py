@@ -107,7 +107,7 @@ def llama_case(bucket_bytes: int) -> dict:
 
 
 def main() -> None:
-    from shardopt.buckets import DEFAULT_BUCKET_BYTES
+    from shardopt.layout.buckets import DEFAULT_BUCKET_BYTES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", help=argparse.SUPPRESS)

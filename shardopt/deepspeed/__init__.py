@@ -56,7 +56,7 @@ What the plugin changes in the engine, and why:
   weights too, which is shardopt's FSDP2 HSDP path (fully_shard + replicate_mesh /
   shard_mesh) already, without DeepSpeed's on-the-fly gathering of flat pieces.
 - Gradient clipping: "gradient_clipping" is taken out of the engine's config and
-  done by the optimizer with a norm agreed over the replicas (shardopt/clipping.py,
+  done by the optimizer with a norm agreed over the replicas (shardopt/optim/clipping.py,
   the same path as the optimizer's max_grad_norm, the node axis added at ZeRO 1/2),
   also reported by engine.get_global_grad_norm().
 - fp16/bf16: DeepSpeed keeps fp32 master copies in a wrapper (FP16_UnfusedOptimizer)

@@ -10,9 +10,9 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
-from ..groups import param_groups
-from ..localsteps import LocalSteps
-from ..optimizer import Dion, ShardOptimizer, SignMuon
+from ..optim.groups import param_groups
+from ..localsteps.optimizer import LocalSteps
+from ..optim.optimizer import Dion, ShardOptimizer, SignMuon
 from .optimizers import OPTIMIZERS
 
 SHARDOPT_SECTION_KEYS = ("nonmatrix_algorithm", "nonmatrix_names", "head_names", "nonmatrix", "matrix", "verbose",

@@ -10,9 +10,9 @@ import sys
 
 import torch
 
-from ..comm import split_world
-from ..groups import describe_groups
-from ..optimizer import ShardOptimizer
+from ..wire.comm import split_world
+from ..optim.groups import describe_groups
+from ..optim.optimizer import ShardOptimizer
 from . import internals, registration
 from .config import Plan, build_param_groups, check_scheduler, load_config, plan, read_config, scale_scheduler_lrs
 from .optimizers import DeepSpeedLocalSteps, engine_side

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Axis
-from ..guard import replicas_equal
-from ..localsteps import LocalSteps
-from ..optimizer import Dion, ShardOptimizer, SignMuon
-from ..placement import local
+from ..wire.comm import Axis
+from ..optim.guard import replicas_equal
+from ..localsteps.optimizer import LocalSteps
+from ..optim.optimizer import Dion, ShardOptimizer, SignMuon
+from ..layout.placement import local
 from .zero import ZeroPartition
 
 
@@ -32,7 +32,7 @@ class _EngineSide:
     (a replica is a node when there is a shard axis, else one rank). The exact norm of the averaged
     gradient would need the full-precision exchange the compression avoids; ν ≥ ‖mean g‖ (triangle
     inequality), so clipping by min(1, max_norm / (ν + 1e-6)) clips at least as often. Cost: an all-reduce
-    of one float per axis, no host sync. The same path as the optimizer's max_grad_norm (shardopt/clipping.py),
+    of one float per axis, no host sync. The same path as the optimizer's max_grad_norm (shardopt/optim/clipping.py),
     with the node axis among the split axes at ZeRO 1/2 (`gradient_split_axes`).
     """
 

@@ -29,8 +29,8 @@ from collections import deque
 
 import torch
 
-from ..comm import Axis
-from ..placement import assign_owners
+from ..wire.comm import Axis
+from ..layout.placement import assign_owners
 
 
 def mesh_shape(mesh: tuple[int, int] | None, stage: int, world: int) -> tuple[int, int] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Axis
+from ..wire.comm import Axis
 
 HASH_CHUNK = 1 << 20   # elements bit_hash widens to int64 at a time (24 MiB of temporaries)
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import registry
-from .hyperparams import normalize_dtype_names
+from ..algorithms import registry
+from ..algorithms.hyperparams import normalize_dtype_names
 from .traffic import describe
 
 NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm,
@@ -57,7 +57,7 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", nonmatrix_alg
     and embeddings are usually not decayed); the matrix group takes the optimizer's default.
     splits: {name substring: (dim, sizes)}: the matrix params whose name contains the substring (the
     first that matches) go to a matrix group of their own with that `split` (fused projections,
-    e.g. {"attn.qkv": (0, (d, d_kv, d_kv))}; shardopt/matrices.py); each must match some matrix param.
+    e.g. {"attn.qkv": (0, (d, d_kv, d_kv))}; shardopt/layout/matrices.py); each must match some matrix param.
     With verbose=True, prints one line per group with its replicate-axis bytes per step at
     `replicas` replicas (see describe_groups). Groups with no params are left out.
     The keywords scalar_algorithm, scalar_options and scalar_names (before 0.3) still work, with a

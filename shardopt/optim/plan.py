@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .buckets import capped_buckets
-from .exchange import by_dtype
-from .matrices import ParamMatrix, matrix_seed
-from .placement import MatrixLayout, local
+from ..layout.buckets import capped_buckets
+from ..wire.exchange import by_dtype
+from ..layout.matrices import ParamMatrix, matrix_seed
+from ..layout.placement import MatrixLayout, local
 
 
 @dataclass(frozen=True)

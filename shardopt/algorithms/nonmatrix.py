@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 
 from . import hyperparams as H
-from .algorithm import Algorithm
+from .record import Algorithm
 from .elementwise import adamw_update
-from .exchange import MEAN, Vote, by_dtype
-from .placement import local
-from .vote import vote_format
+from ..wire.exchange import MEAN, Vote, by_dtype
+from ..layout.placement import local
+from ..wire.vote import vote_format
 
 
 def init_state(param: torch.Tensor, group: dict, seed: int) -> dict:

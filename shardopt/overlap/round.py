@@ -30,9 +30,9 @@ import contextlib
 
 import torch
 
-from .placement import local
-from .plan import unit_params
-from .schedule import Schedule
+from ..layout.placement import local
+from ..optim.plan import unit_params
+from ..optim.schedule import Schedule
 
 
 def backward_order(units: list, position) -> list:

@@ -27,15 +27,15 @@ import math
 import torch
 
 from . import hyperparams as H
-from .algorithm import Algorithm
-from .buckets import compute_dtype, stack_as
-from .comm import Axis
-from .exchange import MEAN, Mean, Vote
+from .record import Algorithm
+from ..layout.buckets import compute_dtype, stack_as
+from ..wire.comm import Axis
+from ..wire.exchange import MEAN, Mean, Vote
 from .hyperparams import state_dtype
-from .placement import MatrixLayout, local
+from ..layout.placement import MatrixLayout, local
 from .polar import polar
-from .signs import positive_signs
-from .vote import vote_format
+from ..wire.signs import positive_signs
+from ..wire.vote import vote_format
 
 
 def polar_stages(layout: MatrixLayout, shard: Axis, tensor: Axis) -> list[tuple[Axis, int, tuple[int, ...]]]:
@@ -89,7 +89,7 @@ def full_polar(U_in: torch.Tensor, stages, orthogonalize, wire: torch.dtype):
 
 
 def init_state(param: torch.Tensor, group: dict, seed: int) -> dict:
-    """momentum: zeros like the param (all its matrices: shardopt/matrices.py)."""
+    """momentum: zeros like the param (all its matrices: shardopt/layout/matrices.py)."""
     return {"momentum": torch.zeros_like(param, dtype=state_dtype(group, param))}
 
 

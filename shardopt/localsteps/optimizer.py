@@ -22,12 +22,12 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from .comm import Axes, Axis
-from .dion import compressed, init_state, rank_of
-from .guard import check_not_double_averaged, replicas_equal
-from .outer import EXCHANGES, LowRank, LowRankMatrix, outer_format
-from .placement import derive_meshes, is_dtensor, local, matrix_layout
-from .schedule import complete
+from ..wire.comm import Axes, Axis
+from ..algorithms.dion import compressed, init_state, rank_of
+from ..optim.guard import check_not_double_averaged, replicas_equal
+from .formats import EXCHANGES, LowRank, LowRankMatrix, outer_format
+from ..layout.placement import derive_meshes, is_dtensor, local, matrix_layout
+from ..optim.schedule import complete
 
 logger = logging.getLogger("shardopt")
 

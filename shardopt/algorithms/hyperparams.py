@@ -8,10 +8,10 @@ import numbers
 
 import torch
 
-from .algorithm import Hyperparameter
+from .record import Hyperparameter
 from .lowrank import QR_METHODS
 from .polar import SCHEDULES
-from .vote import VOTES
+from ..wire.vote import VOTES
 
 LR_SCALES = ("none", "unit_gain")
 ORTHOGONALIZE = ("shard", "full")
@@ -89,13 +89,13 @@ def unknown_algorithm(name, index: int, algorithms) -> ValueError:
 
 def state_dtype(group: dict, param: torch.Tensor) -> torch.dtype:
     """The dtype of a matrix param's optimizer state: the group's `state_dtype`, else the param's.
-    The step computes in fp32 whatever the state dtype (shardopt.buckets.compute_dtype)."""
+    The step computes in fp32 whatever the state dtype (shardopt.layout.buckets.compute_dtype)."""
     return getattr(torch, group["state_dtype"]) if group.get("state_dtype") else param.dtype
 
 
 def split_check(group, key, index):
     """None, or (dim, sizes): dim an int, sizes a non-empty sequence of integers ≥ 1 (whether they fit
-    each param is checked with the param: shardopt.matrices.split_sizes)."""
+    each param is checked with the param: shardopt.layout.matrices.split_sizes)."""
     split = group["split"]
     if split is None:
         return
@@ -138,7 +138,7 @@ EPSILON = Hyperparameter(1e-8, _range(0.0, INF, low_open=True))
 # matrix algorithms: dtype of the momentum (and Dion's Q); None = the param's dtype
 STATE_DTYPE = Hyperparameter(None, _choices((None,) + STATE_DTYPES))
 # matrix algorithms: (dim, sizes) cuts each matrix along dim into blocks stepped as matrices of
-# their own (a fused QKV weight: (0, (d, d_kv, d_kv))); None = whole (shardopt/matrices.py)
+# their own (a fused QKV weight: (0, (d, d_kv, d_kv))); None = whole (shardopt/layout/matrices.py)
 SPLIT = Hyperparameter(None, split_check)
 # replicate-axis precision of Dion's P and R, and of Sign-Muon's "full" shard-axis all-to-all
 WIRE_DTYPE = Hyperparameter("bfloat16", _choices(WIRE_DTYPES))
@@ -148,7 +148,7 @@ MOMENTUM = Hyperparameter(0.9, _range(0.0, 1.0))
 NESTEROV = Hyperparameter(False, flag)
 NS_STEPS = Hyperparameter(5, lambda group, key, index: integer(group, key, index, 1))
 NS_DTYPE = Hyperparameter(None, _choices((None,) + NS_DTYPES))
-NS_COEFFICIENTS = Hyperparameter("quintic", _choices(tuple(SCHEDULES)))   # Newton–Schulz schedule (shardopt/polar.py)
+NS_COEFFICIENTS = Hyperparameter("quintic", _choices(tuple(SCHEDULES)))   # Newton–Schulz schedule (shardopt/algorithms/polar.py)
 COMPILE = Hyperparameter(False, flag)   # torch.compile the Newton–Schulz iterations (eager if compiling fails)
 ORTHOGONALIZE_KEY = Hyperparameter("shard", _choices(ORTHOGONALIZE))
 # Dion

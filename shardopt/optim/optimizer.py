@@ -54,18 +54,18 @@ import weakref
 
 import torch
 
-from . import registry
-from .backward import Round, Scratch, backward_order
-from .buckets import DEFAULT_BUCKET_BYTES
+from ..algorithms import registry
+from ..overlap.round import Round, Scratch, backward_order
+from ..layout.buckets import DEFAULT_BUCKET_BYTES
 from .agreement import StepAgreement, check_ranks_agree, gradient_flag
 from .checks import check_gradients, check_group_keys, check_options, keep_state_dtypes, loadable
 from .clipping import clip_grad_norm_
-from .comm import Axes, Axis
-from .exchange import MEAN
+from ..wire.comm import Axes, Axis
+from ..wire.exchange import MEAN
 from .guard import replicas_equal
-from .hyperparams import follow_momentum_schedule, normalize_dtype_names, validate_group
-from .matrices import param_matrices
-from .placement import derive_meshes, local, tensor_split
+from ..algorithms.hyperparams import follow_momentum_schedule, normalize_dtype_names, validate_group
+from ..layout.matrices import param_matrices
+from ..layout.placement import derive_meshes, local, tensor_split
 from .plan import Plans, unit_params, unit_step, units
 from .schedule import complete, overlap
 from .traffic import DOUBLE_AVERAGING_CHECK_EVERY, describe, group_bytes
@@ -76,7 +76,7 @@ logger = logging.getLogger("shardopt")
 class ShardOptimizer(torch.optim.Optimizer):
     """Base of Dion and SignMuon. Param groups choose their `algorithm` (registry.py); groups without
     one get the class's `matrix_algorithm`. Matrix groups take 2-D weights and 3-D expert stacks
-    (E, m, n), and the option `split=(dim, sizes)` for fused projections (shardopt/matrices.py).
+    (E, m, n), and the option `split=(dim, sizes)` for fused projections (shardopt/layout/matrices.py).
     The keyword options are documented in this module's docstring."""
 
     matrix_algorithm = "dion"
@@ -370,7 +370,7 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip every rank's local gradients in place by one agreed factor; returns the agreed norm ν
-        (a 0-d tensor, no device sync). See `shardopt.clipping.clip_grad_norm_`. Not with overlap_backward and
+        (a 0-d tensor, no device sync). See `shardopt.optim.clipping.clip_grad_norm_`. Not with overlap_backward and
         max_norm > 0: the exchange during backward has read the gradients already (RuntimeError); max_norm 0
         reads the norm only."""
         if self._overlap and max_norm > 0:

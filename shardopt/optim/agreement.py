@@ -14,9 +14,9 @@ from typing import NamedTuple
 import torch
 
 from .checks import check_gradients
-from .comm import Axis
+from ..wire.comm import Axis
 from .guard import check_not_double_averaged
-from .placement import local
+from ..layout.placement import local
 from .traffic import double_averaging_checked
 
 logger = logging.getLogger("shardopt")

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import Axis, collective_bytes
-from .signs import pack_signs, padded_length, unpack_signs
-from .vote import VOTES, vote_format
+from ..wire.comm import Axis, collective_bytes
+from ..wire.signs import pack_signs, padded_length, unpack_signs
+from ..wire.vote import VOTES, vote_format
 
 DEFAULT_BLOCK = 4096
 FLAG_SLOT = 1   # one fp32 beside the scales: 1.0 where x held a NaN/inf
@@ -304,7 +304,7 @@ class LowRank(OuterFormat):
         self._next_q: list[torch.Tensor] = []
 
     def _sides(self, matrix: LowRankMatrix):
-        from .dion import oriented_axes, oriented_block, oriented_shape
+        from ..algorithms.dion import oriented_axes, oriented_block, oriented_shape
         a_names, b_names = oriented_axes(matrix.layout)
         return (oriented_shape(matrix.layout), oriented_block(matrix.layout), [getattr(self.axes, n) for n in a_names],
                 [getattr(self.axes, n) for n in b_names], a_names)
@@ -321,8 +321,8 @@ class LowRank(OuterFormat):
         return total + self.rest.bytes(rest, replicas)
 
     def exchange(self, x, replicate, seed):
-        from .exchange import FactorMean, replicate_mean
-        from .lowrank import column_normalize, orthonormalize
+        from ..wire.exchange import FactorMean, replicate_mean
+        from ..algorithms.lowrank import column_normalize, orthonormalize
         self._next_q = []
         if replicate.size == 1:
             return x, x, nonfinite_flag(x)[0] > 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Axis
+from ..wire.comm import Axis
 
 
 def agreed_grad_norm(grads: list[torch.Tensor], *, replicate: Axis, split: tuple[Axis, ...], device,

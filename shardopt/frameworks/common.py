@@ -4,7 +4,7 @@ processes, and readying it for the framework's checkpoint."""
 
 from __future__ import annotations
 
-from .optimizer import ShardOptimizer
+from ..optim.optimizer import ShardOptimizer
 
 
 def shardopt_optimizer(optimizer, fix: str) -> ShardOptimizer:

@@ -28,13 +28,13 @@ import math
 import torch
 
 from . import hyperparams as H
-from .algorithm import Algorithm
-from .buckets import compute_dtype, stack_as
-from .exchange import MEAN, FactorMean
+from .record import Algorithm
+from ..layout.buckets import compute_dtype, stack_as
+from ..wire.exchange import MEAN, FactorMean
 from .hyperparams import state_dtype
 from .lowrank import column_normalize, dion_rank, orthonormalize
-from .matrices import matrix_blocks, matrix_seed, param_matrices, single_matrix
-from .placement import MatrixLayout, dim0_shards, like_param, local
+from ..layout.matrices import matrix_blocks, matrix_seed, param_matrices, single_matrix
+from ..layout.placement import MatrixLayout, dim0_shards, like_param, local
 
 
 def oriented_shape(layout: MatrixLayout) -> tuple[int, int]:
@@ -79,7 +79,7 @@ def initial_q(layout: MatrixLayout, group: dict, seed: int, dtype: torch.dtype, 
 def q_shape(param: torch.Tensor, group: dict, label: str = "") -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global, local) shape of a param's Q state. One matrix (`single_matrix`): b×r, locally this
     rank's block of b (split like X's b side over the shard / tensor axes). A 3-D stack or a param
-    split into blocks (its matrices j, the blocks of one slab, shardopt/matrices.py): (*E, Σ_j b_j, max_j r_j), the
+    split into blocks (its matrices j, the blocks of one slab, shardopt/layout/matrices.py): (*E, Σ_j b_j, max_j r_j), the
     local rows following the param's dim 0 (rows, or experts) when the param is sharded."""
     blocks = matrix_blocks(param, group, label)
     if single_matrix(param, group):

@@ -11,9 +11,9 @@ import numbers
 
 import torch
 
-from .buckets import DEFAULT_BUCKET_BYTES
-from .hyperparams import state_dtype, validate_group
-from .placement import is_dtensor, local
+from ..layout.buckets import DEFAULT_BUCKET_BYTES
+from ..algorithms.hyperparams import state_dtype, validate_group
+from ..layout.placement import is_dtensor, local
 
 NONFINITE = ("skip", "raise")
 

@@ -6,7 +6,7 @@ Adding an algorithm is one new file defining its record and one line in ALGORITH
 
 from __future__ import annotations
 
-from .algorithm import Algorithm
+from .record import Algorithm
 from .dion import DION
 from .hyperparams import COMMON_KEYS, MAXIMIZE, unknown_algorithm
 from .nonmatrix import ADAMW, LION

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .buckets import stack_as
+from ..layout.buckets import stack_as
 from .comm import Axis
 from .signs import padded_length
 from .vote import VoteFormat

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import DEFAULT_BUCKET_BYTES
-from .comm import Axes, Axis, CountingAxis, collective_bytes
-from .hyperparams import state_dtype
-from .placement import derive_meshes, local
+from ..layout.buckets import DEFAULT_BUCKET_BYTES
+from ..wire.comm import Axes, Axis, CountingAxis, collective_bytes
+from ..algorithms.hyperparams import state_dtype
+from ..layout.placement import derive_meshes, local
 from .plan import group_steps, plan_group
-from .registry import algorithm
+from ..algorithms.registry import algorithm
 from .schedule import overlap
 
 
