@@ -28,6 +28,7 @@ from ..optim.guard import check_not_double_averaged, replicas_equal
 from .formats import EXCHANGES, LowRank, LowRankMatrix, outer_format
 from ..layout.placement import derive_meshes, is_dtensor, local, matrix_layout
 from ..optim.schedule import complete
+from ..wire.seeds import mix_seed
 
 logger = logging.getLogger("shardopt")
 
@@ -254,7 +255,7 @@ class LocalSteps(torch.optim.Optimizer):
 
     def _param_seed(self, param) -> int:
         index = next(i for i, p in enumerate(self._params()) if p is param)
-        return (self.seed * 1_000_003 + index) % 2**63
+        return mix_seed(self.seed, index)
 
     def _low_rank(self, param) -> bool:
         return self.exchange_name == "lowrank" and param.ndim == 2 and compressed(matrix_layout(param),
@@ -344,7 +345,7 @@ class LocalSteps(torch.optim.Optimizer):
 
     def _round_seed(self, fragment: int, params: list) -> int:
         """The vote's coins of this round of this fragment: the same on every replica."""
-        return (self.seed * 1_000_003 + int(self.state[params[0]]["outer_rounds"]) * self.fragments + fragment) % 2**63
+        return mix_seed(self.seed, int(self.state[params[0]]["outer_rounds"]) * self.fragments + fragment)
 
     def _pseudo_gradient(self, params: list, start_key: str) -> torch.Tensor:
         """x = (θ_start − θ) + e, flat fp32 on the params' device."""

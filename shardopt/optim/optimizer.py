@@ -62,6 +62,7 @@ from .checks import check_gradients, check_group_keys, check_options, keep_state
 from .clipping import clip_grad_norm_
 from ..wire.comm import Axes, Axis
 from ..wire.exchange import MEAN
+from ..wire.seeds import mix_seed
 from .guard import replicas_equal
 from ..algorithms.hyperparams import follow_momentum_schedule, normalize_dtype_names, validate_group
 from ..layout.matrices import param_matrices
@@ -199,7 +200,7 @@ class ShardOptimizer(torch.optim.Optimizer):
             group = self.param_groups[index]
             gradient = readers.setdefault(index, _gradient_reader(group["maximize"], delivered))
             yield unit_step(record, group, plan, unit, read_param, gradient, read_state, self.exchange_axes,
-                            lambda base, first: (base * 1_000_003 + int(read_state(first)["step"])) % 2**63)
+                            lambda base, first: mix_seed(base, read_state(first)["step"]))
 
     def _new_state(self, param) -> dict:
         """A param's initial state (its record's, and a float32 step counter at 0, whatever the default dtype)."""
@@ -366,7 +367,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         self._run_in_place(decision.params)
 
     def _seed(self, param) -> int:
-        return (self.seed * 1_000_003 + self._param_index[param]) % 2**63
+        return mix_seed(self.seed, self._param_index[param])
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip every rank's local gradients in place by one agreed factor; returns the agreed norm ν

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from .comm import Axis, collective_bytes
+from .seeds import mix_seed
 from .signs import as_signs, count_dtype, count_positive, majority, pack_signs, padded_length, per_entry, unpack_signs
 
 
@@ -69,8 +70,8 @@ def tie_coins(n: int, seed: int, voters: int, owner: int | None, device: torch.d
     """
     chunk = padded_length(n, 8 * voters) // voters
     if owner is not None:
-        return coin(chunk, (seed * 1_000_003 + owner) % 2**63, device)
-    return torch.cat([coin(chunk, (seed * 1_000_003 + o) % 2**63, device) for o in range(voters)])[:n]
+        return coin(chunk, mix_seed(seed, owner), device)
+    return torch.cat([coin(chunk, mix_seed(seed, o), device) for o in range(voters)])[:n]
 
 
 def abstain_seed(seed: int) -> int:
