@@ -19,7 +19,7 @@ import os
 import tempfile
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save, save_file
 
 from .layout.placement import local
@@ -124,7 +124,6 @@ def _checked_tensors(path, metadata: dict) -> dict[str, torch.Tensor]:
 
 def read_metadata(path: str | os.PathLike, expected_format: str = FORMAT) -> dict:
     """The metadata of a file written here (raises ValueError if it is not one of `expected_format`)."""
-    from safetensors import safe_open
     try:
         with safe_open(os.fspath(path), framework="pt") as handle:
             metadata = handle.metadata() or {}

@@ -228,11 +228,11 @@ def test_the_docs_blocks_run_as_shown(pool2, tmp_path, heading):
 
 
 def test_register_is_idempotent_and_unregister_restores_deepspeed_initialize():
-    from shardopt.deepspeed import registration
-    original = registration.original_initialize(deepspeed)
+    from shardopt.deepspeed import internals
+    original = internals.original_initialize(deepspeed)
     sds.register()
     sds.register()
-    assert deepspeed.initialize is sds.initialize and registration.original_initialize(deepspeed) is original
+    assert deepspeed.initialize is sds.initialize and internals.original_initialize(deepspeed) is original
     sds.unregister()
     assert deepspeed.initialize is original
     sds.unregister()

@@ -244,7 +244,7 @@ def test_describe_names_the_check():
 
 def test_bit_hash_in_chunks_equals_the_whole_sum(monkeypatch):
     """bit_hash sums Σ bits_i·(2654435761·i + 1) chunk by chunk (bounded temporaries): the same value."""
-from shardopt.optim import guard
+    from shardopt.optim import guard
     tensor = torch.randn(1001, dtype=torch.float64)
     raw = tensor.view(torch.int64)
     whole = (raw * (torch.arange(raw.numel(), dtype=torch.int64) * 2654435761 + 1)).sum()

@@ -13,7 +13,7 @@ import torch
 from ..wire.comm import split_world
 from ..optim.groups import describe_groups
 from ..optim.optimizer import ShardOptimizer
-from . import internals, registration
+from . import internals
 from .config import Plan, build_param_groups, check_scheduler, load_config, plan, read_config, scale_scheduler_lrs
 from .optimizers import DeepSpeedLocalSteps, engine_side
 from .wiring import EngineWiring
@@ -26,12 +26,12 @@ def initialize(*args, **kwargs):
     lr_scheduler) as deepspeed.initialize does; under fp16/bf16 `optimizer` is DeepSpeed's wrapper,
     and `shard_optimizer(engine)` is the shardopt optimizer (comm_stats, replicas_consistent)."""
     deepspeed = internals.load()
-    bound = inspect.signature(registration.original_initialize(deepspeed)).bind(*args, **kwargs)
+    bound = inspect.signature(internals.original_initialize(deepspeed)).bind(*args, **kwargs)
     call = bound.arguments
     config, config_from_args = read_config(call)
     the_plan = plan(config, call.get("model"), call.get("mpu"), fp16_supported=internals.fp16_supported)
     if the_plan is None:
-        return registration.original_initialize(deepspeed)(*args, **kwargs)
+        return internals.original_initialize(deepspeed)(*args, **kwargs)
     if call.get("optimizer") is not None:
         raise ValueError(f"the config asks for the {the_plan.name} optimizer and an optimizer was passed too; "
                          f"give one: drop the config's \"optimizer\" section or the optimizer argument")
@@ -56,7 +56,7 @@ def initialize(*args, **kwargs):
     if config_from_args:
         call["args"] = copy.copy(call["args"])
         call["args"].deepspeed_config = None
-    engine, *rest = registration.original_initialize(deepspeed)(**call)
+    engine, *rest = internals.original_initialize(deepspeed)(**call)
     EngineWiring(engine, built[0])
     return (engine, *rest)
 

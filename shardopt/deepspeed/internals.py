@@ -39,6 +39,7 @@ import os
 TESTED = ((0, 19), (0, 20))   # [low, high): DeepSpeed 0.19.x
 ALLOW_UNTESTED = "SHARDOPT_ALLOW_UNTESTED_DEEPSPEED"
 _checked = []
+_original_initialize: list = []   # DeepSpeed's deepspeed.initialize while register() has replaced it
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -84,6 +85,27 @@ def unscale_factor(wrapper) -> float:
     """What the fp16/bf16 wrapper multiplies the fp32 copies of the gradients by in its step, without clipping
     (unscale_and_clip_grads: combined_scale = loss_scale_config.cur_scale)."""
     return 1. / wrapper.loss_scale_config.cur_scale
+
+
+def keep_original_initialize(deepspeed) -> None:
+    """Remember DeepSpeed's own `deepspeed.initialize` before `register()` replaces the module attribute."""
+    if not _original_initialize:
+        _original_initialize.append(deepspeed.initialize)
+
+
+def forget_original_initialize() -> None:
+    """After `unregister()` has put DeepSpeed's initialize back."""
+    _original_initialize.clear()
+
+
+def original_initialize(deepspeed):
+    """DeepSpeed's own initialize, registered or not."""
+    return _original_initialize[0] if _original_initialize else deepspeed.initialize
+
+
+def report_global_grad_norm(wrapper, norm) -> None:
+    """Give the fp16/bf16 wrapper the agreed gradient norm, which engine.get_global_grad_norm() reads from it."""
+    wrapper._global_grad_norm = norm
 
 
 def unwrapped(function):

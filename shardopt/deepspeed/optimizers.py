@@ -10,6 +10,7 @@ from ..optim.guard import replicas_equal
 from ..localsteps.optimizer import LocalSteps
 from ..optim.optimizer import Dion, ShardOptimizer, SignMuon
 from ..layout.placement import local
+from . import internals
 from .zero import ZeroPartition
 
 
@@ -116,8 +117,8 @@ class _EngineSide:
         """ν (see the class doc) into _global_grad_norm; g ← g · min(1, max_norm / (ν + 1e-6))."""
         norm = self.clip_grad_norm_(self.max_grad_norm)
         self._global_grad_norm = norm
-        if self.wiring.wrapper is not None:   # what engine.get_global_grad_norm() reads under fp16/bf16
-            self.wiring.wrapper._global_grad_norm = norm
+        if self.wiring.wrapper is not None:
+            internals.report_global_grad_norm(self.wiring.wrapper, norm)
 
     def gradient_split_axes(self) -> tuple[Axis, ...]:
         """At ZeRO 1/2 each rank of the node holds the gradients it owns: the node axis splits the replica's gradient."""

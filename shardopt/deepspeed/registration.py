@@ -13,9 +13,10 @@ DeepSpeed's initialize back.
 from __future__ import annotations
 
 from . import internals
+from .engine import initialize
 from .wiring import Patches
 
-_registered: list[tuple[Patches, object]] = []   # (the patch of deepspeed.initialize, DeepSpeed's own initialize)
+_registered: list[Patches] = []   # the patch of deepspeed.initialize
 
 
 def register() -> None:
@@ -23,19 +24,14 @@ def register() -> None:
     deepspeed = internals.load()
     if _registered:
         return
-    from .engine import initialize
-    patches, original = Patches(), deepspeed.initialize
+    patches = Patches()
+    internals.keep_original_initialize(deepspeed)
     patches.set(deepspeed, "initialize", initialize)
-    _registered.append((patches, original))
+    _registered.append(patches)
 
 
 def unregister() -> None:
     """Give `deepspeed.initialize` back to DeepSpeed (engines already built stay wired; `detach(engine)` undoes that)."""
     if _registered:
-        patches, _ = _registered.pop()
-        patches.undo()
-
-
-def original_initialize(deepspeed):
-    """DeepSpeed's own initialize, registered or not."""
-    return _registered[0][1] if _registered else deepspeed.initialize
+        _registered.pop().undo()
+        internals.forget_original_initialize()

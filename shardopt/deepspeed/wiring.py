@@ -26,7 +26,9 @@ import os
 
 import torch
 
+from ..checkpoint import load_optimizer_state, load_tensors, save_optimizer_state, save_tensors
 from . import internals
+from .optimizers import AgreedOverflowCheck, DeepSpeedLocalSteps, engine_side
 from .zero import BackwardReducer
 
 _ABSENT = object()
@@ -57,8 +59,6 @@ class EngineWiring:
 
     def __init__(self, engine, optimizer):
         from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-
-        from .optimizers import AgreedOverflowCheck, DeepSpeedLocalSteps, engine_side
 
         if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
             raise NotImplementedError("shardopt optimizers under DeepSpeed do not support torch_autocast with float16 "
@@ -128,7 +128,6 @@ class EngineWiring:
         copies under fp16/bf16) as shardopt_params_rank<rank>.safetensors, and engine.load_checkpoint reads
         them back, so a resumed run continues the saving run's trajectory, mid-round too. The same world
         size and mesh are needed to load (the files of each rank hold that rank's state)."""
-        from ..checkpoint import load_optimizer_state, load_tensors, save_optimizer_state, save_tensors
         engine, optimizer = self.engine, self.optimizer
         params = self.side._slots()
         save, load = engine.save_checkpoint, engine.load_checkpoint
@@ -214,11 +213,7 @@ class EngineWiring:
         signature = inspect.signature(internals.unwrapped(type(engine).backward))
 
         def backward(loss, *args, **kwargs):
-            handle = None
-            if fp16:
-                scale_wrt_gas = signature.bind(engine, loss, *args, **kwargs).arguments.get("scale_wrt_gas", True)
-                factor = engine.optimizer.loss_scale / (engine.gradient_accumulation_steps() if scale_wrt_gas else 1)
-                handle = loss.register_hook(lambda grad: torch.full_like(grad, factor))
+            handle = _fp16_loss_gradient(engine, signature, loss, args, kwargs) if fp16 else None
             boundary = engine.is_gradient_accumulation_boundary()
             if reducer is not None:
                 reducer.begin([p.grad for p in model_params], hand_over if optimizer.overlap_backward and boundary else None)
@@ -237,3 +232,11 @@ class EngineWiring:
 
         backward.__doc__ = original.__doc__
         self.patches.set(engine, "backward", backward)
+
+
+def _fp16_loss_gradient(engine, signature, loss, args, kwargs):
+    """The hook that sets the gradient entering `loss` to loss_scale / gradient_accumulation_steps (loss_scale
+    when engine.backward is called with scale_wrt_gas=False): DeepSpeed#8393, see EngineWiring._wrap_backward."""
+    scale_wrt_gas = signature.bind(engine, loss, *args, **kwargs).arguments.get("scale_wrt_gas", True)
+    factor = engine.optimizer.loss_scale / (engine.gradient_accumulation_steps() if scale_wrt_gas else 1)
+    return loss.register_hook(lambda grad: torch.full_like(grad, factor))

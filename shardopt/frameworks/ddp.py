@@ -10,6 +10,7 @@ axis in backward, and the optimizer's compressed exchange is the only one.
 from __future__ import annotations
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 
 def _local_bucket(state, bucket):
@@ -26,7 +27,6 @@ def keep_local_gradients(model, optimizer=None) -> None:
     (call before the first backward; DDP accepts one hook per model: a second call on the same
     model, e.g. from a second Trainer.train(), does nothing). `optimizer`: a shardopt optimizer,
     whose exchange during backward then waits out the micro-batches run under model.no_sync()."""
-    from torch.nn.parallel import DistributedDataParallel
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"keep_local_gradients takes a torch.nn.parallel.DistributedDataParallel, got "
                         f"{type(model).__name__}; a model that is not DDP-wrapped has no all-reduce to switch off")

@@ -25,6 +25,7 @@ import logging
 
 import torch.distributed as dist
 
+from ..internals import active_ddp_module
 from .ddp import keep_local_gradients
 from .common import check_replicas, prepare_checkpoint, shardopt_optimizer
 from ..optim.groups import param_groups
@@ -101,8 +102,7 @@ class ShardoptCallback(TrainerCallback):
         DistributedDataParallel running it (shardopt.ddp.keep_local_gradients), then remove itself."""
         if not module.training:
             return   # an evaluation forward (Trainer does not wrap the model for it)
-        from torch.nn.parallel import DistributedDataParallel
-        wrapper = DistributedDataParallel._get_active_ddp_module()
+        wrapper = active_ddp_module()
         if wrapper is None or wrapper.module is not module:
             raise RuntimeError("ShardoptCallback: Trainer runs several processes but its training forward does not "
                                "run inside a torch DistributedDataParallel of this model, so no all-reduce can be "

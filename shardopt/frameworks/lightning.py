@@ -24,6 +24,8 @@ with the LightningModule's `configure_optimizers` returning a shardopt optimizer
 
 from __future__ import annotations
 
+from torch.nn.parallel import DistributedDataParallel
+
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError as error:   # the framework is optional (docs/design.md §11)
@@ -62,7 +64,6 @@ class ShardoptCallback(Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         from lightning.pytorch.strategies import DDPStrategy
-        from torch.nn.parallel import DistributedDataParallel
         optimizers = self._optimizers(trainer)
         model = trainer.strategy.model
         if isinstance(trainer.strategy, DDPStrategy) and isinstance(model, DistributedDataParallel):
@@ -74,7 +75,6 @@ class ShardoptCallback(Callback):
                                    "accepts one: drop DDPStrategy(ddp_comm_hook=…)") from error
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from torch.nn.parallel import DistributedDataParallel
         model = trainer.strategy.model
         if self._replicas_checked or trainer.global_step == 0 or not isinstance(model, DistributedDataParallel):
             return

@@ -41,6 +41,7 @@ except ImportError as error:   # the framework is optional (docs/design.md §11)
     raise ImportError("shardopt.torchtitan needs torchtitan 0.3: pip install 'shardopt[torchtitan]'") from error
 
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate
 from torch import nn
 
 from ..optim.groups import param_groups
@@ -188,7 +189,6 @@ def _groups(part: nn.Module, config) -> list[dict]:
 
 def _check_replicate_axis(groups: list[dict], replicate_mesh) -> None:
     """Refuse what would leave the replicas' gradients to someone else, or the replicas unknown."""
-    from torch.distributed.tensor import Replicate
     params = [p for group in groups for p in group["params"]]
     hsdp = next((p for p in params if is_dtensor(p) and any(type(x) is Replicate for x in p.placements)), None)
     if hsdp is not None:

@@ -30,6 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..internals import strided_shard_type
 
 TENSOR_DIM_NAMES = ("tensor", "tp")
 
@@ -143,8 +146,7 @@ class _Roles:
 def _roles(param, label: str) -> _Roles:
     """The role of each mesh dim of a DTensor (module docstring), or a ValueError for placements
     shardopt cannot handle."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+    _StridedShard = strided_shard_type()
     mesh = param.device_mesh
     names = mesh.mesh_dim_names or ()
     if mesh.ndim > 1 and not names:
@@ -296,7 +298,6 @@ def like_param(param: torch.Tensor, local_tensor: torch.Tensor, global_rows: int
     plain params get the plain tensor."""
     if not is_dtensor(param):
         return local_tensor
-    from torch.distributed.tensor import DTensor, Replicate, Shard
     placements = [placement if getattr(placement, "dim", None) is None else    # Replicate()
                   Replicate() if placement.dim != param_dim else placement if param_dim == 0 else Shard(0)
                   for placement in param.placements]

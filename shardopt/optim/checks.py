@@ -6,6 +6,7 @@ given, what is allowed, and the fix.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 
@@ -13,6 +14,7 @@ import torch
 
 from ..layout.buckets import DEFAULT_BUCKET_BYTES
 from ..algorithms.hyperparams import state_dtype, validate_group
+from ..internals import load_state_dict_pre_hooks
 from ..layout.placement import is_dtensor, local
 
 NONFINITE = ("skip", "raise")
@@ -67,7 +69,6 @@ def check_group_keys(group: dict, index: int, defaults: dict) -> None:
     """No unknown key in a param group (a misspelt hyperparameter would otherwise be ignored)."""
     unknown = sorted(key for key in group if key not in defaults and key not in GROUP_BOOKKEEPING)
     if unknown:
-        import difflib
         hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, list(defaults), 1))
                  else repr(key) for key in unknown]
         raise ValueError(f"param group {index} has unknown keys {', '.join(hints)}; known keys: "
@@ -181,7 +182,7 @@ def loadable(optimizer, state_dict, algorithms: dict) -> dict:
     pre-hooks (a hook may repair it; what it returns is checked), with the saved groups' missing keys
     set to the optimizer's defaults, checked by `check_state_dict` (algorithms: name → record)."""
     state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
-    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+    for hook in load_state_dict_pre_hooks(optimizer).values():
         state_dict = hook(optimizer, state_dict) or state_dict
     state_dict = with_current_defaults(state_dict, optimizer.defaults)
     check_state_dict(state_dict, optimizer.param_groups, optimizer._param_label, algorithms)

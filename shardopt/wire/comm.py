@@ -28,6 +28,9 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..internals import group_timeout
 
 AXIS_NAMES = ("replicate", "shard", "tensor", "node")   # node: the ranks of a node under the DeepSpeed plugin's ZeRO 1/2
 # renamed in torch 2.13 (the old names warn there); torch ≥ 2.6 has the old ones only
@@ -55,7 +58,6 @@ def _resolve_group(mesh, name: str):
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(f"{name}_mesh was given but torch.distributed is not initialized; "
                          f"call torch.distributed.init_process_group first or pass {name}_mesh=None")
-    from torch.distributed.device_mesh import DeviceMesh
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
             raise ValueError(f"{name}_mesh must be a 1-D DeviceMesh, got a {mesh.ndim}-D mesh with dims "
@@ -94,16 +96,6 @@ def split_world(replicate: int, shard: int) -> tuple:
         if index == rank // shard:
             mine["shard"] = group
     return mine["replicate"], mine["shard"]
-
-
-def _group_timeout(group):
-    """The collective timeout of `group` (its backend's options), or None for torch's default."""
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-    return None
 
 
 class Axes(NamedTuple):
@@ -174,7 +166,7 @@ class Axis:
         if len(ranks) != sum(map(len, distinct)):
             raise ValueError(f"the {self.name} axis: the ranks' groups {distinct} overlap; a private copy needs "
                              f"the {self.name} groups of the world to be disjoint (one mesh dimension)")
-        mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in distinct], timeout=_group_timeout(self.group))
+        mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in distinct], timeout=group_timeout(self.group))
         return Axis(self.name, mine)
 
     def reset_stats(self) -> None:
