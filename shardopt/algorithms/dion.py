@@ -30,7 +30,8 @@ import torch
 from . import hyperparams as H
 from .record import Algorithm
 from ..layout.buckets import compute_dtype, stack_as
-from ..wire.exchange import MEAN, FactorMean
+from ..wire.exchange import MEAN
+from .factors import FactorMean
 from .hyperparams import state_dtype
 from .lowrank import column_normalize, dion_rank, orthonormalize
 from ..layout.matrices import matrix_blocks, matrix_seed, param_matrices, single_matrix

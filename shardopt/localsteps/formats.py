@@ -321,7 +321,7 @@ class LowRank(OuterFormat):
         return total + self.rest.bytes(rest, replicas)
 
     def exchange(self, x, replicate, seed):
-        from ..wire.exchange import FactorMean, replicate_mean
+        from ..algorithms.factors import FactorMean, replicate_mean
         from ..algorithms.lowrank import column_normalize, orthonormalize
         self._next_q = []
         if replicate.size == 1:
