@@ -143,14 +143,39 @@ def options(group: dict) -> dict:
             "epsilon": group["epsilon"], "qr_method": group["qr_method"]}
 
 
+def power_iteration(B: torch.Tensor, Q: torch.Tensor, *, layout: MatrixLayout, exchange: FactorMean, axes,
+                    orthonormalize_share):
+    """One power iteration on B (k, a_i, b_j) from Q (k, b_j, r), over the axes that split B (`layout`) and
+    the replicas (a generator of collectives; returns (P, R, R̄)):
+
+        P = orthonormalize(mean_replicas(Σ_b-axes B·Q))     (k, a_i, r)   exchange.basis
+        R = Σ_a-axis Bᵀ·P                                   (k, b_j, r)   this replica's R
+        R̄ = mean_replicas(R)                                (k, b_j, r)   in the exchange's wire dtype
+
+    `orthonormalize_share(P)` orthonormalizes a stack of whole P (k', a, r)."""
+    a_names, b_names = oriented_axes(layout)
+    a_axes, b_axes = [getattr(axes, name) for name in a_names], [getattr(axes, name) for name in b_names]
+    a_parts = layout.axis_parts(a_names[0]) if a_names else ()
+    P = yield from exchange.basis(B @ Q, a_axes, a_parts, b_axes, axes.replicate, orthonormalize_share)
+    R = yield from exchange.r_sum(B.mT @ P, a_axes)
+    return P, R, (yield from exchange.r_mean(R, axes.replicate))
+
+
+def next_q(R: torch.Tensor, Q: torch.Tensor, *, layout: MatrixLayout, axes, epsilon: float):
+    """Q ← R / (‖R[:, j]‖₂ + ε) for R, Q (k, b_j, r), the squared column norms summed over the b-axes (the
+    distributed column normalization; a column with ‖R[:, j]‖ = 0 keeps Q's). A generator; returns Q."""
+    col_sq_norms = (R * R).sum(dim=-2)
+    for name in oriented_axes(layout)[1]:
+        col_sq_norms = yield getattr(axes, name).all_reduce(col_sq_norms, "sum", async_op=True)
+    return column_normalize(R, col_sq_norms, Q, epsilon)
+
+
 def step(params, grads, states, *, layout: MatrixLayout, exchange: FactorMean, axes, seed: int, lr: float,
          mu: float, weight_decay: float, epsilon: float, qr_method: str):
     """One Dion step on a bucket of same-layout matrices (local tensors, updated in place): the module
     docstring's equations, a generator of collectives (schedule.py). The layout says which of
     axes.shard and axes.tensor split the matrices. Working memory: one fp32 copy of the momenta
     (B, in place), k·(a + b)·r for P, Q, R, one matrix's update at a time."""
-    a_names, b_names = oriented_axes(layout)
-    a_axes, b_axes = [getattr(axes, name) for name in a_names], [getattr(axes, name) for name in b_names]
     dtype, r = compute_dtype(params[0].dtype), exchange.rank
     # momentum: B ← M + G (G averaged over the replicas first when low rank saves nothing)
     M = stack_as([s["momentum"] for s in states], dtype)            # (k, m_i, n_j), X's orientation
@@ -162,19 +187,14 @@ def step(params, grads, states, *, layout: MatrixLayout, exchange: FactorMean, a
     B = M.mT if layout.transpose else M                              # (k, a_i, b_j)
     Q = stack_as([s["Q"][:, :r] for s in states], dtype)            # (a split param's Q is padded to its largest r)
     # direction: P ← orthonormalize(mean B·Q), R ← mean Bᵀ·P
-    a_parts = layout.axis_parts(a_names[0]) if a_names else ()
-    P = yield from exchange.basis(B @ Q, a_axes, a_parts, b_axes, axes.replicate,
-                                  lambda P: orthonormalize(P, qr_method, seed))
-    R = yield from exchange.r_mean(B.mT @ P, a_axes, axes.replicate)
+    P, _, R = yield from power_iteration(B, Q, layout=layout, exchange=exchange, axes=axes,
+                                         orthonormalize_share=lambda P: orthonormalize(P, qr_method, seed))
     # error feedback B ← B − (1−μ)·P·Rᵀ, in place on M's memory (Mᵀ ← Mᵀ − (1−μ)·R·Pᵀ when transposed)
     M.baddbmm_(*((R, P.mT) if layout.transpose else (P, R.mT)), alpha=-(1 - mu))
     for state, momentum in zip(states, M):
         state["momentum"].copy_(momentum)
     del B, M
-    col_sq_norms = (R * R).sum(dim=-2)
-    for axis in b_axes:
-        col_sq_norms = yield axis.all_reduce(col_sq_norms, "sum", async_op=True)
-    Q = column_normalize(R, col_sq_norms, Q, epsilon)
+    Q = yield from next_q(R, Q, layout=layout, axes=axes, epsilon=epsilon)
     # apply: X ← (1 − lr·wd)·X − lr·√(m/n)·P·Qᵀ
     m, n = layout.shape
     for param, state, P_i, Q_i in zip(params, states, P, Q):

@@ -35,10 +35,14 @@ class FactorMean:
         return (yield from orthonormalized_mean(P, b_axes[-1] if b_axes else Axis("shard"), replicate,
                                                 self.low_rank, orthonormalize_share, self.wire))
 
-    def r_mean(self, R: torch.Tensor, a_axes: list, replicate: Axis):
-        """mean_replicas(Σ_a-axis R) for R (k, b_j, r)."""
+    def r_sum(self, R: torch.Tensor, a_axes: list):
+        """Σ_a-axis R for R (k, b_j, r): this replica's R, the one `r_mean` averages."""
         if a_axes:
             R = yield a_axes[0].all_reduce(R, "sum", async_op=True)
+        return R
+
+    def r_mean(self, R: torch.Tensor, replicate: Axis):
+        """mean_replicas(R) for this replica's R (k, b_j, r) (`r_sum`), in `wire` when low rank."""
         if self.low_rank:
             R = yield from replicate_mean(R, replicate, self.wire)
         return R

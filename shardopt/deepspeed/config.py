@@ -18,7 +18,7 @@ from .optimizers import OPTIMIZERS
 SHARDOPT_SECTION_KEYS = ("nonmatrix_algorithm", "nonmatrix_names", "head_names", "nonmatrix", "matrix", "verbose",
                          "mesh", "scale_scheduler_lr", "local_steps")
 # LocalSteps' keyword arguments the plugin fills in itself (the others come from "shardopt": {"local_steps": ...})
-LOCAL_STEPS_FILLED = ("self", "inner", "replicate_mesh", "model")
+LOCAL_STEPS_FILLED = ("self", "inner", "replicate_mesh", "model", "ownership")
 # the "shardopt" section's keys before 0.3 (still read, with a DeprecationWarning) → their names now
 DEPRECATED_SECTION_KEYS = {"scalar_algorithm": "nonmatrix_algorithm", "scalar_names": "nonmatrix_names",
                            "scalar": "nonmatrix"}

@@ -7,6 +7,7 @@ import torch
 
 from ..wire.comm import Axis
 from ..optim.guard import replicas_equal
+from ..localsteps.fragment import Ownership
 from ..localsteps.optimizer import LocalSteps
 from ..optim.optimizer import Dion, ShardOptimizer, SignMuon
 from ..layout.placement import local
@@ -177,11 +178,17 @@ class DeepSpeedLocalSteps(LocalSteps):
     ZeRO 1/2 (the inner one partitioned over the node): each rank syncs and keeps θ_outer, b and e for the
     params it owns only, with the owners of the same params on the other nodes, then the node all-gathers
     them (at the sync steps only): a node sends the model's pseudo-gradient across once, and the outer
-    state is partitioned like the inner one. Without overlap and fragments (refused)."""
+    state is partitioned like the inner one (`ownership`: zero.py's owners, a discard agreed over the node
+    too, the gathering after each sync; engine.load_checkpoint first loads data-parallel rank 0's state into
+    every rank, its own file then replaces it, wiring.py: only the owned params' outer state is loaded).
+    Without overlap and fragments (refused)."""
 
     def __init__(self, inner, **options):
+        zero = inner.zero if inner.zero is not None and inner.zero.stage >= 1 else None
+        if zero is not None:
+            options["ownership"] = Ownership(zero.owns, (inner.node,), lambda: zero.gather_weights(self.params()))
         super().__init__(inner, **options)
-        self.zero = inner.zero if inner.zero is not None and inner.zero.stage >= 1 else None
+        self.zero = zero
         if self.zero is not None and (self.overlap or self.fragments > 1):
             raise ValueError(f"\"local_steps\" at ZeRO stage {self.zero.stage} syncs every rank's own parameters "
                              f"at the round's end and gathers them inside the node: leave "
@@ -191,39 +198,6 @@ class DeepSpeedLocalSteps(LocalSteps):
         if self.inner.wiring is None:   # the wrapper's construction-time step on zero gradients: not a step
             return self.inner.step(closure)
         return super().step(closure)
-
-    def _synced_params(self) -> list[torch.Tensor]:
-        """ZeRO 1/2: the params this rank owns (zero.py); the same slots on every node, so the replicate
-        group of a rank is the other nodes' owners of its params."""
-        params = self._params()
-        return params if self.zero is None else [p for slot, p in enumerate(params) if self.zero.owns(slot)]
-
-    def _agreement_axes(self):
-        """ZeRO 1/2: a discard is agreed over the node too (its owners decide together)."""
-        return self.other_axes if self.zero is None else [*self.other_axes, self.inner.node]
-
-    def _sync(self, fragment: int, params: list) -> None:
-        """ZeRO 1/2: a rank that owns nothing still joins the node's discard agreement; after the sync the
-        node's owners send the synced params to the node's other ranks."""
-        if self.zero is None:
-            return super()._sync(fragment, params)
-        if params:
-            super()._sync(fragment, params)
-        else:
-            self._agreed_discard(torch.zeros((), device=local(self._params()[0]).device), params)
-        self.zero.gather_weights(self._params())
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """ZeRO 1/2: engine.load_checkpoint first loads data-parallel rank 0's state into every rank (its own
-        file then replaces it, wiring.py); the outer state of params this rank does not own is left out
-        (the step count, kept beside param 0, stays)."""
-        if self.zero is not None:
-            order = [key for group in state_dict["param_groups"] for key in group["params"]]
-            owned = {key for slot, key in enumerate(order) if self.zero.owns(slot)}
-            state_dict = {**state_dict, "state": {key: entry if key in owned else {
-                k: v for k, v in entry.items() if k == "outer_steps" or not k.startswith("outer_")}
-                for key, entry in state_dict["state"].items()}}
-        super().load_state_dict(state_dict)
 
     @property
     def overflow(self) -> bool:

@@ -291,6 +291,16 @@ def dim0_shards(param: torch.Tensor, label: str = "") -> tuple[tuple[int, ...], 
     return chunk_rows(param.shape[0], mesh.size(roles.shard)), mesh.get_local_rank(roles.shard)
 
 
+def placed_like(param: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
+    """`local_tensor` (shaped like the param's local tensor) as a DTensor placed exactly like the param
+    (same mesh, placements, global shape and stride); plain params get the plain tensor."""
+    if not is_dtensor(param):
+        return local_tensor
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
 def like_param(param: torch.Tensor, local_tensor: torch.Tensor, global_rows: int, param_dim: int = 0) -> torch.Tensor:
     """Wrap a local state tensor whose rows follow the param's dim `param_dim` (its rows, or for
     Dion's Q of an untransposed matrix its columns) as a DTensor placed like the param in that dim

@@ -51,7 +51,7 @@ def collective_bytes(kind: str, nbytes: int, size: int) -> int:
     raise ValueError(f"unknown collective {kind!r}")
 
 
-def _resolve_group(mesh, name: str):
+def resolve_group(mesh, name: str):
     """A 1-D DeviceMesh, a ProcessGroup or None → (ProcessGroup or None, size, rank)."""
     if mesh is None:
         return None, 1, 0
@@ -76,6 +76,13 @@ def _resolve_group(mesh, name: str):
         raise ValueError(f"{name}_mesh is a process group this rank (global rank {dist.get_rank()}) "
                          f"is not a member of; pass the group that contains this rank")
     return group, dist.get_world_size(group), rank
+
+
+def group_ranks(mesh, name: str) -> list[int] | None:
+    """The global ranks of a 1-D DeviceMesh or ProcessGroup (checked as `resolve_group` checks `{name}_mesh`), in
+    group order; None for None."""
+    group, _, _ = resolve_group(mesh, name)
+    return None if group is None else dist.get_process_group_ranks(group)
 
 
 def split_world(replicate: int, shard: int) -> tuple:
@@ -129,7 +136,7 @@ class Axis:
         if name not in AXIS_NAMES:
             raise ValueError(f"axis name must be one of {AXIS_NAMES}, got {name!r}")
         self.name = name
-        self.group, self.size, self.rank = _resolve_group(mesh, name)
+        self.group, self.size, self.rank = resolve_group(mesh, name)
         self.reset_stats()
 
     def __deepcopy__(self, memo) -> "Axis":
