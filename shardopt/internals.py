@@ -10,7 +10,7 @@ Checked on torch 2.13 (`TESTED`); pyproject allows torch ≥ 2.6, where tests/te
 | `torch.autograd.Variable._execution_engine.queue_callback` | overlap (backward round) | run after backward's own callbacks (DDP's copy-back) |
 | `ProcessGroup._get_backend(device).options._timeout` | wire/comm.py `Axis.private` | new groups get the user's collective timeout |
 | `torch.optim.Optimizer._optimizer_load_state_dict_pre_hooks` | optim/checks.py, optim/optimizer.py | run the load pre-hooks once, before shardopt checks what they return |
-| `torch.optim.Optimizer._optimizer_*_hooks`, `_patch_step_function` | localsteps | an Optimizer that holds no param groups of its own |
+| `torch.optim.Optimizer.__setstate__` making the `_optimizer_*_hooks` dicts and calling `_patch_step_function` | localsteps/surface.py | an Optimizer that holds no param groups of its own, with working step hooks |
 | `DistributedDataParallel._get_active_ddp_module()` | frameworks/hf.py | the DDP running the model's forward (HF Trainer wraps it late) |
 | `torch.distributed.tensor.placement_types._StridedShard` | layout/placement.py | FSDP2's placement over a tensor-parallel row split |
 | `torch._foreach_*` (`FOREACH`) | clipping, agreement, elementwise | the multi-tensor kernels torch.optim uses |

@@ -296,7 +296,6 @@ def placed_like(param: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor
     (same mesh, placements, global shape and stride); plain params get the plain tensor."""
     if not is_dtensor(param):
         return local_tensor
-    from torch.distributed.tensor import DTensor
     return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                               stride=param.stride())
 
