@@ -354,9 +354,8 @@ OVERLAP_RUN = ["--steps", "6", "--checkpoint-every", "6", "--log-every", "1", "-
 
 
 @pytest.mark.parametrize("backend, optimizer, replicate, shard", [
-    ("gloo", "signmuon", 1, 1), ("nccl", "signmuon", 1, 1), ("nccl", "signmuon", 2, 1), ("nccl", "dion", 2, 1),
-    ("nccl", "signmuon", 1, 2)],
-    ids=["gloo_1rank", "nccl_1rank", "nccl_2ranks_signmuon_2x1", "nccl_2ranks_dion_2x1", "nccl_2ranks_signmuon_1x2"])
+    ("gloo", "signmuon", 1, 1), ("nccl", "signmuon", 1, 1), ("nccl", "dion", 2, 1), ("nccl", "signmuon", 1, 2)],
+    ids=["gloo_1rank", "nccl_1rank", "nccl_2ranks_dion_2x1", "nccl_2ranks_signmuon_1x2"])
 def test_overlap_backward_on_and_off_are_bitwise_equal(data_dir, tmp_path, backend, optimizer, replicate, shard):
     """--overlap-backward off and on: every logged loss equal to its last digit and the final checkpoint
     (model and optimizer state) equal bit for bit. On NCCL under TORCH_CUDA_SANITIZER=1, so that a
