@@ -73,13 +73,13 @@ SECTIONS = [
 def detect() -> Machine:
     """This machine, as torch sees it (CUDA_VISIBLE_DEVICES included). Creates no CUDA context."""
     import torch
-    if torch.version.cuda is None:
+    if torch.cuda.is_available():
+        gpus, reason = torch.cuda.device_count(), None
+    elif torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         gpus, reason = 0, f"no CUDA: torch {torch.__version__} is a CPU build (torch.version.cuda is None)"
-    elif not torch.cuda.is_available():
+    else:
         gpus, reason = 0, (f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, "
                            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r})")
-    else:
-        gpus, reason = torch.cuda.device_count(), None
     return Machine(gpus, reason, importlib.util.find_spec("deepspeed") is not None, STEP_OPS.exists())
 
 
@@ -95,7 +95,7 @@ def skip_reason(section: Section, machine: Machine) -> str | None:
     return "; ".join(reasons) or None
 
 
-def command(section: Section, machine: Machine) -> tuple[list[str], dict]:
+def command(section: Section) -> tuple[list[str], dict]:
     """The command line of `section` and the environment it adds."""
     python = sys.executable
     pytest = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
@@ -133,7 +133,7 @@ def pytest_verdict(output: str, returncode: int, skips_allowed: bool) -> tuple[s
 
 def run_section(section: Section, machine: Machine) -> tuple[str, str]:
     """Run `section` (its output streamed here), within its time bound; (result, detail)."""
-    argv, extra = command(section, machine)
+    argv, extra = command(section)
     print("$ " + " ".join([f"{key}={value}" for key, value in extra.items()] + argv), flush=True)
     process = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **extra}, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)

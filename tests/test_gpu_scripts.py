@@ -56,8 +56,7 @@ def test_each_section_runs_where_its_gpus_are(gpus, runs):
 
 def test_the_sections_fit_in_ten_minutes_and_the_nccl_tests_they_name_exist():
     assert sum(s.seconds for s in gpu_smoke.SECTIONS) <= 600
-    two_gpus = Machine(2, None, deepspeed=True, step_ops=True)
-    named = [arg for s in gpu_smoke.SECTIONS for arg in gpu_smoke.command(s, two_gpus)[0] if "::" in arg]
+    named = [arg for s in gpu_smoke.SECTIONS for arg in gpu_smoke.command(s)[0] if "::" in arg]
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *named],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0 and f"{len(named)} tests collected" in done.stdout, done.stdout[-2000:]
@@ -79,7 +78,7 @@ def test_a_failed_or_hung_section_fails_the_run(monkeypatch, capsys):
     commands = {"test_cuda": [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
                 "fsdp_overlap": [sys.executable, "-c", "import time; time.sleep(60)"]}
     monkeypatch.setattr(gpu_smoke, "detect", lambda: Machine(1, None, deepspeed=True, step_ops=True))
-    monkeypatch.setattr(gpu_smoke, "command", lambda section, machine: (commands[section.name], {}))
+    monkeypatch.setattr(gpu_smoke, "command", lambda section: (commands[section.name], {}))
     monkeypatch.setattr(gpu_smoke, "SECTIONS", [gpu_smoke.Section("test_cuda", 1, 30, "fails"),
                                                 gpu_smoke.Section("fsdp_overlap", 0, 1, "hangs")])
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))   # main() prepends the checkout
