@@ -1,5 +1,10 @@
 """integrations/fsdp/train.py under torchrun (2 or 4 CPU processes, gloo): it trains (also in bf16 with
-accumulation and clipping), logs (CSV, TensorBoard), and resumes exactly, lr scheduler included."""
+accumulation and clipping), logs (CSV, TensorBoard), and resumes exactly, lr scheduler included.
+
+Backend: train.py (world.py) runs NCCL whenever CUDA is visible, so every run here hides the GPUs
+(CUDA_VISIBLE_DEVICES="") and runs gloo on the CPU, whatever the machine has. The tests named
+`nccl` opt into NCCL, one GPU per rank: they run with SHARDOPT_TEST_NCCL=1 (launch/gpu_smoke.sh sets it)
+on a machine with a GPU for each rank, and skip, saying which is missing, otherwise."""
 
 import csv
 import json
@@ -29,12 +34,36 @@ def data_dir(tmp_path_factory):
     return directory
 
 
-def train(data_dir, out_dir, *extra, nproc=2, timeout=180):
+NCCL_OPT_IN = "SHARDOPT_TEST_NCCL"
+
+
+def needs_nccl(ranks: int) -> None:
+    """Skip the calling test unless NCCL is opted into ($SHARDOPT_TEST_NCCL=1) and `ranks` GPUs are visible
+    (train.py puts LOCAL_RANK on GPU LOCAL_RANK)."""
+    if os.environ.get(NCCL_OPT_IN) != "1":
+        pytest.skip(f"NCCL runs are opt-in: {NCCL_OPT_IN}=1 (launch/gpu_smoke.sh sets it) on a machine with "
+                    f"≥ {ranks} GPU(s); without it this module runs gloo on the CPU")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < ranks:
+        pytest.skip(f"{ranks} NCCL rank(s) need {ranks} GPU(s), one per rank; {visible} visible")
+
+
+def run_env(nccl: bool = False, **extra) -> dict:
+    """The environment of a train.py process: this checkout first on PYTHONPATH (not an installed copy), one
+    OpenMP thread, and the GPUs hidden (gloo on the CPU) unless `nccl` (the caller ran needs_nccl)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           **extra}
+    if not nccl:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def train(data_dir, out_dir, *extra, nproc=2, timeout=180, nccl=False, env=None):
+    """torchrun of train.py with `nproc` ranks on gloo, or NCCL when `nccl`; `env` added to run_env's."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                str(TRAIN), "--data-dir", str(data_dir), "--out-dir", str(out_dir), *TINY, *extra]
-    # (PYTHONPATH: the workers import this checkout's shardopt, not an installed copy elsewhere)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=run_env(nccl, **(env or {})),
+                          cwd=ROOT)
     assert done.returncode == 0, f"train.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done.stdout
 
@@ -111,14 +140,14 @@ def test_signmuon_inside_fsdp_lowers_the_loss_and_profiles_the_chosen_steps(data
 def test_mismatched_mesh_is_a_clear_error(data_dir):
     """Checked before any process group starts (so without torchrun, as torchrun's WORLD_SIZE says)."""
     command = [sys.executable, str(TRAIN), "--data-dir", str(data_dir), "--replicate", "3", "--shard", "1"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT,
-                          env={**os.environ, "WORLD_SIZE": "2"})
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT, env=run_env(WORLD_SIZE="2"))
     assert done.returncode != 0
     assert "--replicate 3 × --shard 1 = 3 ranks, but the world size is 2" in done.stderr
 
 
 def test_help_lists_the_everyday_options():
-    done = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    done = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=run_env())
     assert done.returncode == 0, done.stderr
     for option in ("--bf16", "--grad-accum", "--clip", "--tensorboard", "MixedPrecisionPolicy", "max_grad_norm"):
         assert option in done.stdout, option
@@ -127,7 +156,7 @@ def test_help_lists_the_everyday_options():
 @pytest.mark.parametrize("option, value", [("--grad-accum", "0"), ("--clip", "-1")])
 def test_bad_accumulation_or_clip_is_a_clear_error(data_dir, option, value):
     command = [sys.executable, str(TRAIN), "--data-dir", str(data_dir), option, value]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT, env=run_env())
     assert done.returncode != 0 and f"{option} {int(value) if option == '--grad-accum' else float(value)}" in done.stderr
 
 
@@ -135,7 +164,7 @@ def test_config_file_over_the_defaults_and_the_command_line_over_it(data_dir, tm
     """A --config JSON overrides the defaults files (integrations/gpt.json, fsdp/defaults.json), the command
     line overrides the config; a key no defaults file has is a clear error; the old --scalar-* spellings set
     the --nonmatrix-* options, with one deprecation warning. (A world of one: plain python, no torchrun.)"""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = run_env()
     config = tmp_path / "run.json"
     config.write_text('{"steps": 2, "nonmatrix_lr": 0.5, "optimizer": "signmuon"}')
     command = [sys.executable, str(TRAIN), "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "out"), *TINY,
@@ -268,7 +297,7 @@ def _kill_one_rank_after_checkpoint(data_dir, out_dir, *extra, max_restarts=0, b
                "--max-restarts", str(max_restarts), str(TRAIN), "--data-dir", str(data_dir), "--out-dir",
                str(out_dir), *TINY, *KILL_RUN, *extra]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                               env=run_env(), start_new_session=True)
     try:
         marker = Path(out_dir) / "checkpoints" / "step_000010" / ".metadata"
         deadline = time.monotonic() + bound
@@ -294,10 +323,12 @@ def whole_kill_run(data_dir, tmp_path_factory):
     return out_dir
 
 
-def _same_final_checkpoint(whole_dir, out_dir, tmp_path):
-    whole = checkpoint_tensors(whole_dir / "checkpoints" / "step_000040", tmp_path / "whole.pt")
-    resumed = checkpoint_tensors(out_dir / "checkpoints" / "step_000040", tmp_path / "resumed.pt")
+def _same_final_checkpoint(whole_dir, out_dir, tmp_path, step=40):
+    """The two runs' checkpoints at `step`: the same tensors (model, optimizer state), bit for bit."""
+    whole = checkpoint_tensors(whole_dir / "checkpoints" / f"step_{step:06d}", tmp_path / "whole.pt")
+    resumed = checkpoint_tensors(out_dir / "checkpoints" / f"step_{step:06d}", tmp_path / "resumed.pt")
     assert whole.keys() == resumed.keys()
+    assert any(key.startswith(".model.") for key in whole) and any("momentum" in key for key in whole)
     assert not [key for key in whole if not torch.equal(whole[key], resumed[key])]
 
 
@@ -316,3 +347,38 @@ def test_torchrun_max_restarts_resumes_automatically(data_dir, tmp_path, whole_k
     assert code == 0, output[-3000:]
     assert "resume: loaded" in output
     _same_final_checkpoint(whole_kill_run, tmp_path / "run", tmp_path)
+
+
+# ---- NCCL (opt-in, one GPU per rank) and the exchange during backward ----------------------------
+OVERLAP_RUN = ["--steps", "6", "--checkpoint-every", "6", "--log-every", "1", "--eval-every", "6"]
+
+
+@pytest.mark.parametrize("backend, optimizer, replicate, shard", [
+    ("gloo", "signmuon", 1, 1), ("nccl", "signmuon", 1, 1), ("nccl", "dion", 2, 1), ("nccl", "signmuon", 1, 2)],
+    ids=["gloo_1rank", "nccl_1rank", "nccl_2ranks_dion_2x1", "nccl_2ranks_signmuon_1x2"])
+def test_overlap_backward_on_and_off_are_bitwise_equal(data_dir, tmp_path, backend, optimizer, replicate, shard):
+    """--overlap-backward off and on: every logged loss equal to its last digit and the final checkpoint
+    (model and optimizer state) equal bit for bit. On NCCL under TORCH_CUDA_SANITIZER=1, so that a
+    stream race of the work started during backward (FSDP2's reduce-scatter stream → the step's) stops
+    the run with the sanitizer's report."""
+    ranks, nccl = replicate * shard, backend == "nccl"
+    if nccl:
+        needs_nccl(ranks)
+    for overlap in ("off", "on"):
+        output = train(data_dir, tmp_path / overlap, "--optimizer", optimizer, "--replicate", str(replicate), "--shard",
+                       str(shard), *OVERLAP_RUN, "--overlap-backward", overlap, nproc=ranks, nccl=nccl,
+                       env={"TORCH_CUDA_SANITIZER": "1"} if nccl else None, timeout=300)
+        assert f"shard × 1 tensor on {'cuda' if nccl else 'cpu'}" in output, output[-2000:]
+    losses = lambda rows: [(r["step"], r["train_loss"], r["val_loss"]) for r in rows]
+    assert len(metrics(tmp_path / "on")) == 7 and losses(metrics(tmp_path / "on")) == losses(metrics(tmp_path / "off"))
+    _same_final_checkpoint(tmp_path / "off", tmp_path / "on", tmp_path, step=6)
+
+
+def test_nccl_2ranks_dion_between_replicas_learns_and_counts_the_bytes_gloo_counts(data_dir, tmp_path, whole_runs):
+    """Dion on 2 replicas over NCCL (2 GPUs): it learns as on gloo, and the communication layer counts
+    the same replicate-axis bytes per step as the gloo run of the same mesh."""
+    needs_nccl(2)
+    output = train(data_dir, tmp_path, *DION, "--replicate", "2", "--shard", "1", nccl=True)
+    assert "shard × 1 tensor on cuda" in output
+    rows = assert_learns(tmp_path)
+    assert [r["replicate_bytes_per_step"] for r in rows] == [r["replicate_bytes_per_step"] for r in metrics(whole_runs(2, 1))]
