@@ -5,9 +5,10 @@ __version__ = "0.1.0"
 from .optim.groups import describe_groups, param_groups
 from .optim.guard import DoubleAveragingError
 from .localsteps.optimizer import LocalSteps
+from .optim.onebit_adam import OneBitAdam
 from .optim.optimizer import Dion, ShardOptimizer, SignMuon
 from .algorithms.polar import polar
 from .wire.vote import VOTE_FORMATS, vote_bytes
 
-__all__ = ["Dion", "SignMuon", "ShardOptimizer", "LocalSteps", "DoubleAveragingError", "param_groups", "describe_groups", "polar",
+__all__ = ["Dion", "SignMuon", "OneBitAdam", "ShardOptimizer", "LocalSteps", "DoubleAveragingError", "param_groups", "describe_groups", "polar",
            "VOTE_FORMATS", "vote_bytes", "__version__"]

@@ -10,8 +10,9 @@
 Configs: dion_bf16.json, signmuon_bf16.json, signmuon_fp16.json (shardopt: the
 engine's gradient all-reduce is off and the optimizer exchanges low-rank factors
 or 1-bit votes itself), signmuon_local_steps_bf16.json (Sign-Muon inside local
-steps: the replicas sync every 10 steps) and adamw.json (the baseline: DeepSpeed's
-full-precision all-reduce). `shardopt.deepspeed.initialize` reads the config's "optimizer"
+steps: the replicas sync every 10 steps), onebit_adam_bf16.json (DeepSpeed's removed
+"OneBitAdam" config, run by shardopt: exact Adam for freeze_step steps, then a 1-bit momentum
+exchange) and adamw.json (the baseline: DeepSpeed's full-precision all-reduce). `shardopt.deepspeed.initialize` reads the config's "optimizer"
 section and hands every other optimizer type to deepspeed.initialize unchanged.
 
 Each step prints the loss (mean over ranks) and the bytes this rank sent on the
@@ -21,6 +22,7 @@ for the baseline, the fp32-equivalent ring all-reduce volume 2·(M−1)/M · 4·
 The model and the data are those of the FSDP2 entry point (integrations/model.py, a small
 nanoGPT-style GPT; integrations/data.py, Shakespeare's plays as bytes — prepare them once with
 `python integrations/data.py`); each rank reads its own batches, drawn from (seed, step, rank).
+--val-batches N prints the mean loss over N val batches per rank at the end.
 """
 
 import argparse
@@ -52,6 +54,19 @@ def get_batch(args, tokens, step: int, micro: int, micro_batches: int, batch_siz
     return x.to(device), y.to(device)
 
 
+@torch.no_grad()
+def val_loss(args, engine, tokens, batch_size: int, batches: int) -> float:
+    """The mean loss over `batches` val batches on every rank (the same batches whatever the optimizer)."""
+    engine.eval()
+    total = torch.zeros((), device=engine.device)
+    for index in range(batches):
+        x, y = data.get_batch(tokens, batch_size, args.block_size, args.seed, index, dist.get_rank(), split="val")
+        total += engine(x.to(engine.device), y.to(engine.device))[1].float() / batches
+    dist.all_reduce(total)
+    engine.train()
+    return total.item() / dist.get_world_size()
+
+
 # ---- training ------------------------------------------------------------------------------------
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -62,6 +77,8 @@ def main():
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=64, help="context length")
     parser.add_argument("--data-dir", type=Path, default=data.default_cache() / "shakespeare")
+    parser.add_argument("--val-batches", type=int, default=0,
+                        help="at the end, the mean val loss over this many batches per rank (0: none)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)   # --deepspeed_config
     args = parser.parse_args()
@@ -103,6 +120,10 @@ def main():
         total = optimizer.comm_stats()["replicate"]["bytes_sent"] if optimizer else allreduce_bytes * args.steps
         print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f} s, {total:,} B sent on the data-parallel axis"
               f" ({total / (allreduce_bytes * args.steps):.3f} of an fp32 all-reduce)")
+    if args.val_batches:
+        val = val_loss(args, engine, data.load(args.data_dir, "val"), batch_size, args.val_batches)
+        if rank == 0:
+            print(f"val loss {val:.4f} ({args.val_batches} batches of {batch_size} per rank, {world} ranks)")
     # local steps: the replicas' weights agree right after a sync of the whole model (with overlap, θ_outer always)
     between_syncs = isinstance(optimizer, shardopt.LocalSteps) and not optimizer.overlap and (
         optimizer.fragments > 1 or optimizer.steps % optimizer.sync_every)

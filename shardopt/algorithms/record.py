@@ -42,6 +42,9 @@ class Algorithm:
     exchange(group, layout, numel, replicas) → the exchange of a bucket (exchange.py) of `numel`
         local entries (layout None for an element-wise group, per dtype).
     describe_exchange(group) → a few words for describe().
+    phases(group) → ((label, step), …): where the exchange changes with the step count (1-bit Adam's
+        warm-up, then its 1-bit momentum), a step of each phase, whose bytes describe() reports;
+        None: one phase.
     options(group) → the step's typed keyword arguments, read from the group at each step.
     step(params, grads, states, *, layout, exchange, axes, seed, **options): the bucket step, a
         generator of collectives (for an element-wise group: `exchanges` per dtype, no layout).
@@ -62,3 +65,4 @@ class Algorithm:
     decoupled_momentum: str | None = None
     momentum: str = "betas"
     work_ranks: Callable = field(default=lambda layout, group, replicas: 1)
+    phases: Callable | None = None

@@ -10,6 +10,7 @@ from .record import Algorithm
 from .dion import DION
 from .hyperparams import COMMON_KEYS, MAXIMIZE, unknown_algorithm
 from .nonmatrix import ADAMW, LION
+from .onebit_adam import ONEBIT_ADAM
 from .signmuon import MUON, SIGN_MUON
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -60,6 +61,6 @@ def nonmatrix_algorithms() -> tuple[str, ...]:
     return tuple(name for name, record in ALGORITHMS.items() if not record.matrix)
 
 
-for _record in (DION, SIGN_MUON, MUON, ADAMW, LION):   # the built-in algorithms, one line each
+for _record in (DION, SIGN_MUON, MUON, ADAMW, LION, ONEBIT_ADAM):   # the built-in algorithms, one line each
     register(_record)
 BUILT_IN = tuple(ALGORITHMS)

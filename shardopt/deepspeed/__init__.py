@@ -35,9 +35,14 @@ back), and the framework is given the full config (docs/trainers.md). Without re
 DeepSpeed `engine_config(config)`, pass `client_optimizer(model, config)` as the optimizer, and call
 `attach(engine)` on the engine it returns. `detach(engine)` undoes the wiring.
 
+DeepSpeed's removed 1-bit optimizers (DeepSpeed ≥ 0.19): "type": "OneBitAdam" runs shardopt's 1-bit Adam
+with the same meaning of its params (exact Adam for freeze_step steps, then the momentum in 1 bit per entry
+across the replicas, error-compensated), at ZeRO 0, 1 and 2; "OneBitLamb" and "ZeroOneAdam" stop with an
+error naming the shardopt config doing their job (onebit.py; integrations/deepspeed/README.md has the table).
+
 One file per concern: `config.py` (what the plugin reads from the config),
 `optimizers.py` (the optimizer classes DeepSpeed drives: agreed clipping and
-overflow), `zero.py` (ZeRO stages 1/2 with the compressed exchange across
+overflow), `onebit.py` (the removed 1-bit family's configs), `zero.py` (ZeRO stages 1/2 with the compressed exchange across
 nodes), `engine.py` (building the optimizer; the entry points), `wiring.py`
 (every change to the engine, owned by one EngineWiring with detach()),
 `registration.py` (register / unregister), `internals.py` (every DeepSpeed

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from ..optim.groups import param_groups
 from ..localsteps.optimizer import LocalSteps
+from ..optim.onebit_adam import OneBitAdam
 from ..optim.optimizer import Dion, ShardOptimizer, SignMuon
+from .onebit import ONEBIT_OPTIMIZERS, check_removed, onebit_options, onebit_param_groups
 from .optimizers import OPTIMIZERS
 
 SHARDOPT_SECTION_KEYS = ("nonmatrix_algorithm", "nonmatrix_names", "head_names", "nonmatrix", "matrix", "verbose",
@@ -91,7 +93,9 @@ def plan(config: dict, model=None, mpu=None, *, fp16_supported=None) -> Plan | N
     after every check that needs no process group. `fp16_supported`: a callable, asked only when
     the config enables fp16."""
     optimizer_config = config.get("optimizer") or {}
-    cls = OPTIMIZERS.get(str(optimizer_config.get("type", "")).lower())
+    kind = str(optimizer_config.get("type", "")).lower()
+    check_removed(kind)    # DeepSpeed's removed OneBitLamb / ZeroOneAdam: an error naming the shardopt config
+    cls = OPTIMIZERS.get(kind) or ONEBIT_OPTIMIZERS.get(kind)
     if cls is None:
         return None
     name = optimizer_config["type"]
@@ -177,6 +181,8 @@ def _local_steps(options) -> dict | None:
 
 def _optimizer_options(cls, params: dict, name: str) -> dict:
     """The config's optimizer params as keyword arguments of the class (checked by name here, by value there)."""
+    if cls in ONEBIT_OPTIMIZERS.values():
+        return onebit_options(params, name)
     base = next(c for c in cls.__mro__ if c in (Dion, SignMuon))
     allowed = []
     for function in (base.__init__, ShardOptimizer.__init__):
@@ -221,6 +227,8 @@ def build_param_groups(model, model_parameters, cls, section: dict) -> list:
     """shardopt.param_groups(model) with the "shardopt" section's overrides, restricted to
     `model_parameters` when those are given as tensors (the usual model.parameters()); param-group
     dicts given by the caller are used as they are."""
+    if cls in ONEBIT_OPTIMIZERS.values():
+        return onebit_param_groups(model, model_parameters, section)
     if model_parameters is not None and any(isinstance(item, dict) for item in model_parameters):
         groups = list(model_parameters)
         if any(group.get("moe") for group in groups):
@@ -261,7 +269,8 @@ def scale_scheduler_lrs(the_plan: Plan, param_groups_of_model) -> None:
         raise ValueError(f"\"shardopt\": {{\"scale_scheduler_lr\": true}} scales the learning rates of the "
                          f"{', '.join(ABSOLUTE_LR_SCHEDULERS)} schedulers; the config's scheduler is "
                          f"{scheduler.get('type')!r}: remove scale_scheduler_lr")
-    default = inspect.signature(next(c for c in the_plan.cls.__mro__ if c in (Dion, SignMuon)).__init__).parameters["lr"].default
+    default = inspect.signature(next(c for c in the_plan.cls.__mro__ if c in (Dion, SignMuon, OneBitAdam)).__init__
+                                ).parameters["lr"].default
     lrs = [group.get("lr", the_plan.options.get("lr", default)) for group in param_groups_of_model()]
     params = scheduler.setdefault("params", {})
     for key in ABSOLUTE_LR_SCHEDULERS[scheduler["type"]]:

@@ -88,8 +88,8 @@ class EngineWiring:
             self.patches.set(wrapper, "checkpoint_event_prologue", side.checkpoint_event_prologue)
             self._wrap_skipped_steps()
         self._wrap_backward(model_params)
-        if (side.zero is not None and side.zero.stage >= 1) or self.local_steps:
-            self._wrap_checkpoints()
+        if (side.zero is not None and side.zero.stage >= 1) or self.local_steps or getattr(side, "per_replica_state", False):
+            self._wrap_checkpoints()   # per_replica_state: 1-bit Adam's error feedback (deepspeed/onebit.py)
         self.patches.set(side, "wiring", self)
         if side.overlap_backward:
             side.overlap_backward = True   # its hooks again: none where hand_over gives it the gradients

@@ -73,10 +73,11 @@ def _meta(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 
 
 def group_bytes(group: dict, replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, shard: Axis | None = None,
-                tensor: Axis | None = None) -> int:
+                tensor: Axis | None = None, step: int = 1) -> int:
     """Replicate-axis bytes one rank sends per step for a param group (with every key of the
     registry's defaults), every param with a gradient, at `replicas` replicas; shard, tensor: this
-    rank's axes (default: those the params' placements imply)."""
+    rank's axes (default: those the params' placements imply); step: the params' step count (1-bit
+    Adam's exchange changes after its warm-up: `Algorithm.phases`)."""
     record = algorithm(group["algorithm"])
     params = group["params"]
     if not params:
@@ -89,17 +90,26 @@ def group_bytes(group: dict, replicas: int, bucket_bytes: int = DEFAULT_BUCKET_B
     copies = {param: _meta(param) for param in params}
     states = {param: {**{key: torch.empty(local_shape, dtype=state_dtype(group, param), device="meta")
                          for key, (_, local_shape) in record.state_shapes(param, group).items()},
-                      "step": torch.tensor(1.0)} for param in params}
+                      "step": torch.tensor(float(step))} for param in params}
     overlap(group_steps(record, group, plan, copies.__getitem__, lambda param: _meta(param), states.__getitem__, axes,
                         lambda seed, param: seed))
     return axes.replicate.bytes_sent
+
+
+def _phase_bytes(group: dict, replicas: int, bucket_bytes: int, shard: Axis, tensor: Axis) -> list[tuple[str, int]]:
+    """(label, bytes per step) of each phase of the group's algorithm (`Algorithm.phases`; one, unlabeled,
+    for most)."""
+    phases = algorithm(group["algorithm"]).phases
+    return [(label, group_bytes(group, replicas, bucket_bytes, shard, tensor, step))
+            for label, step in (phases(group) if phases else (("", 1),))]
 
 
 def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clipping: bool = False,
              double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY, shard: Axis | None = None,
              tensor: Axis | None = None) -> str:
     """One line per group (algorithm, tensors, elements, replicate-axis bytes per step on this rank),
-    then the whole model (the non-finite check and, with `clipping`, the agreed clip norm — one float
+    a group whose algorithm has phases (1-bit Adam: warm-up, then 1-bit) shows each phase's bytes and counts
+    its last in the whole model; then the whole model (the non-finite check and, with `clipping`, the agreed clip norm — one float
     all-reduced each — included) against a float32 all-reduce of every parameter, then (with more than
     one replica and the check on) the double-averaging check's bytes at the steps it runs."""
     lines, numel_total = [], 0
@@ -107,11 +117,13 @@ def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCK
     if shard is None or tensor is None:
         shard, tensor = model_axes(groups)   # once for the model, not once per group
     for group in groups:
-        sent = group_bytes(group, replicas, bucket_bytes, shard, tensor)
+        phases = _phase_bytes(group, replicas, bucket_bytes, shard, tensor)
+        sent = phases[-1][1]    # the whole-model total: each group's last phase (after any warm-up)
         numel = sum(local(p).numel() for p in group["params"])
         total, numel_total = total + sent, numel_total + numel
+        shown = ", ".join(f"{value:,} B/step{f' {label}' if label else ''}" for label, value in phases)
         lines.append(f"shardopt: {group['algorithm']:>8}: {len(group['params'])} tensors, {numel:,} elements, "
-                     f"{sent:,} B/step ({algorithm(group['algorithm']).describe_exchange(group)})")
+                     f"{shown} ({algorithm(group['algorithm']).describe_exchange(group)})")
     baseline = allreduce_bytes(numel_total, torch.float32, replicas)
     ratio = f"1/{baseline / total:.1f} of" if total else "vs"
     lines.append(f"shardopt: whole model, {replicas} replicas: {total:,} B/step on the replicate axis per rank, "
