@@ -6,7 +6,7 @@ CSVs in results/.
     python launch/results_table.py --readme README.md    # redraw the README's summary tables and write
                                                          # docs/results.md beside it, from results/*.csv
 
-results/demo.csv (launch/demo.sh; one row per run as integrations/fsdp/train.py --summary-csv
+results/demo.csv (UPDATE_RESULTS=1 launch/demo.sh; one row per run as integrations/fsdp/train.py --summary-csv
 writes them) becomes the table of final val loss, replicate-axis bytes per step and wall time;
 bytes are those one rank sends per step on the replicate axis (the slow, between-node links),
 counted by shardopt's communication layer for every optimizer alike, and "vs AdamW" divides
@@ -26,7 +26,7 @@ INF = float("inf")
 
 # results/<name>: (the command that writes it, or a tuple of them run in turn; what its table shows)
 SOURCES = {
-    "demo.csv": ("bash launch/demo.sh",
+    "demo.csv": ("UPDATE_RESULTS=1 bash launch/demo.sh  # (without UPDATE_RESULTS=1 the table goes to runs/demo/ only)",
                  "The README's first command: the 828k-parameter byte-level GPT on Shakespeare, 300 steps, 4 CPU "
                  "processes (2 replicas × 2 FSDP2 shards). Bytes: what one rank sends per step on the replicate "
                  "axis, counted by shardopt's communication layer for every optimizer alike (AdamW's are its "
