@@ -277,6 +277,32 @@ def test_the_shipped_configs_pass_hf_and_accelerate_config_processing(name, tmp_
     assert the_plan is None if name == "adamw" else the_plan.options.get("vote", "auto") == "auto"
 
 
+@pytest.mark.parametrize("name, documented_lr", [("Dion", 0.02), ("SignMuon", 3e-3)])
+def test_lr_auto_filled_with_training_arguments_default_is_warned_about(name, documented_lr, tmp_path):
+    """HF Trainer fills "lr": "auto" with TrainingArguments(learning_rate=...), whose default is an AdamW lr far
+    below docs/tuning.md's range for Dion and Sign-Muon: the plugin warns, naming learning_rate; with the
+    learning_rate the docs recommend, no warning."""
+    import warnings
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    def planned(**learning_rate):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **learning_rate)
+        hf_config = HfTrainerDeepSpeedConfig({"train_micro_batch_size_per_gpu": "auto",
+                                              "optimizer": {"type": name, "params": {"lr": "auto"}}})
+        hf_config.trainer_config_process(args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            the_plan = plan(hf_config.config)
+        return args.learning_rate, the_plan.options["lr"], [str(w.message) for w in caught if "lr" in str(w.message)]
+
+    default_lr, lr, messages = planned()
+    assert lr == default_lr and len(messages) == 1, messages
+    assert f"lr for the matrix params is {default_lr:g}" in messages[0] and "TrainingArguments(learning_rate=...)" in \
+        messages[0] and '"lr": "auto"' in messages[0], messages
+    assert planned(learning_rate=documented_lr)[1:] == (documented_lr, [])
+
+
 def test_a_scheduler_lr_list_with_scale_scheduler_lr_is_refused():
     config = json.loads((ROOT / "integrations" / "deepspeed" / "signmuon_bf16.json").read_text())
     config["scheduler"]["params"]["warmup_max_lr"] = [0.003, 0.004]
