@@ -67,6 +67,22 @@ def check_exchange(run: dict, steps: int, saved_after: int) -> None:
     assert run["momenta_equal_at_saves"] == [True, True], run
 
 
+def check_docs_bytes(scenarios: str, results: list[dict]) -> None:
+    """The rows of results/trainers.csv that docs/trainers.md's byte tables are drawn from are what this run of
+    tests/<scenarios>.py measured on each rank (launch/bench/trainer_bytes.py writes them from the same run)."""
+    import csv
+    sys.path.insert(0, str(ROOT / "launch" / "bench"))
+    import trainer_bytes
+    framework, layouts = next((f, layouts) for f, name, layouts in trainer_bytes.SCENARIOS if name == scenarios)
+    with trainer_bytes.CSV.open(newline="") as f:
+        committed = [row for row in csv.DictReader(f) if row["framework"] == framework]
+    for result in results:
+        measured = [trainer_bytes.figures(framework, layout, result[key]) for key, layout in layouts.items()]
+        assert measured == committed, (f"results/trainers.csv (docs/trainers.md's bytes) is not what this run sent: "
+                                       f"{measured} vs {committed}; run python launch/bench/trainer_bytes.py, then "
+                                       f"python launch/results_table.py --readme README.md, and commit what they write")
+
+
 def import_without(module: str, framework: str) -> subprocess.CompletedProcess:
     """`import shardopt` then `import <module>` in a fresh interpreter where `framework` cannot be imported."""
     code = f"import sys; sys.modules[{framework!r}] = None; import shardopt; import {module}"
