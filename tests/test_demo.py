@@ -1,6 +1,6 @@
 """launch/demo.sh, the README's first command, leaves the checkout's committed files alone, so that the
 README's second command (launch/test.sh) passes after it on any CPU: a short demo (2 steps, the demo's
-2 × 2 mesh, 3 × 4 processes: ~30 s on 2 cores), then the suite's check of the committed tables."""
+2 × 2 mesh, 3 × 4 processes: 35–45 s on 2 busy cores), then the suite's check of the committed tables."""
 
 import csv
 import hashlib
