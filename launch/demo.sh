@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's first command: shardopt's optimizers on a 4-process CPU job, about 10 minutes on 2 cores.
+# The README's first command: shardopt's optimizers on a 4-process CPU job, about 6 minutes on 2 cores.
 #
 #   bash launch/demo.sh
 #
@@ -7,9 +7,17 @@
 # same small GPT (4 layers, width 128, context 64) with AdamW, Dion (rank 1/4) and Sign-Muon on a
 # mesh of 2 replicas × 2 FSDP2 shards: FSDP2 inside a replica, the optimizer's own compressed
 # exchange between replicas. Prints a table (final val loss, replicate-axis bytes per step, wall
-# time) and writes it to results/demo.csv; the runs' metrics, plots and logs go to runs/demo/, with
+# time) and writes it to runs/demo/summary.csv; the runs' metrics, plots and logs go to runs/demo/, with
 # runs/demo/compare.png overlaying all optimizers (val loss vs step and vs replicate-axis bytes).
-# Override the size with e.g. STEPS=100 REPLICATE=4 SHARD=1 bash launch/demo.sh.
+# The checkout's committed files are left as they are: the README's table stays the one drawn from
+# the committed results/demo.csv (this machine's losses differ in the third digit from another CPU's).
+#
+# Settings (environment variables):
+#   STEPS=100 REPLICATE=4 SHARD=1   the size (defaults 300, 2, 2)
+#   OUT_DIR=somewhere               where the runs and the table go (default runs/demo)
+#   UPDATE_RESULTS=1                also copy the table to results/demo.csv and redraw the README's table and
+#                                   docs/results.md from it (launch/results_table.py --readme README.md):
+#                                   what a maintainer does to commit new numbers
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$SHARDOPT_ROOT"
@@ -21,8 +29,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 python integrations/data.py
 
-runs=runs/demo
-rm -rf "$runs"
+runs=${OUT_DIR:-runs/demo}
+rm -rf "$runs/adamw" "$runs/dion" "$runs/signmuon" "$runs/summary.csv" "$runs/compare.png"   # the last demo's
 mkdir -p "$runs"
 for optimizer in adamw dion signmuon; do
     echo "== $optimizer: $STEPS steps on $REPLICATE replicas × $SHARD shards"
@@ -33,7 +41,9 @@ done
 
 python integrations/plot.py "$runs/adamw" "$runs/dion" "$runs/signmuon" --out "$runs/compare.png" \
     --title "$STEPS steps, $REPLICATE replicas × $SHARD shards"
-mkdir -p results
-cp "$runs/summary.csv" results/demo.csv
 echo
-python launch/results_table.py results/demo.csv
+python launch/results_table.py "$runs/summary.csv"
+if [ "${UPDATE_RESULTS:-0}" = 1 ]; then
+    cp "$runs/summary.csv" results/demo.csv
+    python launch/results_table.py --readme README.md
+fi

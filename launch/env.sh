@@ -2,6 +2,7 @@
 # Uses the active virtualenv if there is one, else creates/uses .venv in the repo root.
 # torch is pinned by a constraint so pip never pulls a multi-GB CUDA build on a CPU machine;
 # override with SHARDOPT_TORCH_SPEC (e.g. "torch==2.13.0" or "torch>=2.6" on a GPU box).
+# SHARDOPT_SKIP_INSTALL=1 uses the environment as it is, installing nothing (the tests run the demo so).
 SHARDOPT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -z "${VIRTUAL_ENV:-}" ]; then
     if [ ! -x "$SHARDOPT_ROOT/.venv/bin/python" ]; then
@@ -15,7 +16,7 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$SHARDOPT_CACHE/torch_exten
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 mkdir -p "$SHARDOPT_CACHE"
 stamp="$SHARDOPT_CACHE/installed-$(python -c 'import sys; print(sys.prefix.replace("/", "_"))')"
-if [ ! -f "$stamp" ] || [ "$SHARDOPT_ROOT/pyproject.toml" -nt "$stamp" ]; then
+if [ "${SHARDOPT_SKIP_INSTALL:-0}" != 1 ] && { [ ! -f "$stamp" ] || [ "$SHARDOPT_ROOT/pyproject.toml" -nt "$stamp" ]; }; then
     echo "${SHARDOPT_TORCH_SPEC:-torch==2.13.0}" > "$SHARDOPT_CACHE/constraints.txt"
     python -m pip install -q --upgrade pip
     python -m pip install -q -c "$SHARDOPT_CACHE/constraints.txt" "${SHARDOPT_TORCH_SPEC:-torch==2.13.0}"

@@ -3,10 +3,10 @@ CSVs in results/.
 
     python launch/results_table.py                       # print the tables of results/*.csv
     python launch/results_table.py results/demo.csv      # print one
-    python launch/results_table.py --readme README.md    # redraw the README's summary tables and write
-                                                         # docs/results.md beside it, from results/*.csv
+    python launch/results_table.py --readme README.md    # redraw the README's summary tables (and docs/trainers.md's)
+                                                         # and write docs/results.md beside it, from results/*.csv
 
-results/demo.csv (launch/demo.sh; one row per run as integrations/fsdp/train.py --summary-csv
+results/demo.csv (UPDATE_RESULTS=1 launch/demo.sh; one row per run as integrations/fsdp/train.py --summary-csv
 writes them) becomes the table of final val loss, replicate-axis bytes per step and wall time;
 bytes are those one rank sends per step on the replicate axis (the slow, between-node links),
 counted by shardopt's communication layer for every optimizer alike, and "vs AdamW" divides
@@ -26,7 +26,7 @@ INF = float("inf")
 
 # results/<name>: (the command that writes it, or a tuple of them run in turn; what its table shows)
 SOURCES = {
-    "demo.csv": ("bash launch/demo.sh",
+    "demo.csv": ("UPDATE_RESULTS=1 bash launch/demo.sh  # (without UPDATE_RESULTS=1 the table goes to runs/demo/ only)",
                  "The README's first command: the 828k-parameter byte-level GPT on Shakespeare, 300 steps, 4 CPU "
                  "processes (2 replicas × 2 FSDP2 shards). Bytes: what one rank sends per step on the replicate "
                  "axis, counted by shardopt's communication layer for every optimizer alike (AdamW's are its "
@@ -127,6 +127,13 @@ SOURCES = {
         "Sign-Muon + Lion against `ddp_adamw` on two emulated nodes (the 4 ms token bucket, 1 process per node), "
         "one campaign after the vote's bit work got cheaper (5462172: the same values, less CPU time), with "
         "Sign-Muon + Lion on 3 Polar Express steps (…_ns3_polar_express)."),
+    "trainers.csv": ("python launch/bench/trainer_bytes.py",
+                     "The replicate-axis bytes one rank sends under Lightning and torchtitan (tests/lightning_scenarios.py, "
+                     "tests/torchtitan_scenarios.py: 2 CPU processes, a tiny GPT, Sign-Muon + Lion-vote, max_grad_norm "
+                     "1.0, a save after step 3): an ordinary step, step 1 (+ the double-averaging check) and the step "
+                     "after the save (+ the momentum average), beside an fp32 all-reduce of every parameter. "
+                     "docs/trainers.md quotes them; tests/test_lightning.py and tests/test_torchtitan.py compare their "
+                     "own runs with this file."),
     "step_split.csv": ("python launch/bench/step_split.py --ns-steps 3 --ns-coefficients polar_express",
                        "Where the optimizer step's time goes (2 replicas of one process, this machine, no link "
                        "limit): each op's self CPU time in the profiled steps (torch.profiler), summed by category, "
@@ -388,8 +395,23 @@ def results_document(paths: list[Path]) -> str:
     return "\n".join([RESULTS_HEADER] + sections)
 
 
+def trainer_bytes_table(rows: list[dict], framework: str) -> str:
+    """docs/trainers.md's table of `framework`'s rows of results/trainers.csv (launch/bench/trainer_bytes.py)."""
+    lines = ["| layout | params | replicate B/step | vs an fp32 all-reduce | step 1 | step after the save |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in (r for r in rows if r["framework"] == framework):
+        fp32, sent = int(r["fp32_all_reduce_bytes"]), int(r["step_bytes"])
+        lines.append(f"| {r['layout']} | {int(r['params']):,} | {sent:,} | 1/{fp32 / sent:.1f} of {fp32:,} B | "
+                     f"{int(r['first_step_bytes']):,} | {int(r['after_save_bytes']):,} (step {r['after_save_step']}) |")
+    return "\n".join(lines)
+
+
 README_BLOCKS = {"headline": headline_table, "demo": training_table, "slowlink": slowlink_summary,
-                 "localsteps": localsteps_summary}
+                 "localsteps": localsteps_summary,
+                 "lightning_bytes": lambda rows: trainer_bytes_table(rows, "lightning"),
+                 "torchtitan_bytes": lambda rows: trainer_bytes_table(rows, "torchtitan")}
+# other documents with <!-- NAME:begin (results/X.csv) --> blocks, redrawn with the README
+DOCS_WITH_TABLES = ("docs/trainers.md",)
 README_BLOCK = re.compile(r"(<!-- (\w+):begin \((results/[\w./-]+\.csv)\) -->\n).*?(<!-- \2:end -->)", re.S)
 
 
@@ -420,18 +442,25 @@ def regenerate(readme: Path, results: Path) -> None:
     write_atomically(results, results_document(default_csvs()))
 
 
+def redraw_documents(root: Path) -> None:
+    """Redraw the blocks of DOCS_WITH_TABLES under `root` from results/*.csv."""
+    for document in DOCS_WITH_TABLES:
+        write_atomically(root / document, readme_with_tables((root / document).read_text()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", nargs="*", type=Path, help="default: results/demo.csv, then the other results/*.csv")
-    parser.add_argument("--readme", type=Path, help="redraw this README's summary tables and write docs/results.md "
-                        "beside it (from every results/*.csv) instead of printing")
+    parser.add_argument("--readme", type=Path, help="redraw this README's summary tables (and those of "
+                        "docs/trainers.md) and write docs/results.md beside it (from every results/*.csv) instead of printing")
     args = parser.parse_args()
     if args.readme:
         if args.csv:
             parser.error("--readme draws from every results/*.csv; give no CSV with it")
         results = args.readme.parent / "docs" / "results.md"
         regenerate(args.readme, results)
-        print(f"redrew the tables of {args.readme} and wrote {results}")
+        redraw_documents(args.readme.parent)
+        print(f"redrew the tables of {args.readme} and {', '.join(DOCS_WITH_TABLES)}, and wrote {results}")
     else:
         print("\n\n".join(f"{shown(p)}\n{table(read_csv(p))}" for p in [p.resolve() for p in args.csv] or default_csvs()))
 

@@ -157,7 +157,8 @@ def train_and_resume(kind: str | None = None) -> dict:
                                   ckpt_path=OUT / name / "epoch=0-step=3.ckpt")
     params = sum(p.numel() for p in LitGPT().parameters())   # (the whole model: under FSDP2 module holds shards)
     stats = optimizer.comm_stats()
-    result = {"steps": trainer.global_step, "params": params, "replicas_consistent": optimizer.replicas_consistent(),
+    result = {"steps": trainer.global_step, "saved_after": STEPS_PER_EPOCH, "params": params,
+              "replicas_consistent": optimizer.replicas_consistent(),
               "sharded": all(hasattr(p, "to_local") for p in module.parameters()),
               "shard_bytes": stats["shard"]["bytes_sent"], "replicate_bytes": stats["replicate"]["bytes_sent"],
               "bytes_per_step": [b - a for a, b in zip([0] + record.bytes, record.bytes)],

@@ -9,6 +9,8 @@ from a DeepSpeed JSON config. Two gloo ranks (one worker pool for the module), C
 - the docs' blocks (docs/trainers.md) run as shown; the shipped configs pass HF's and Accelerate's own config
   processing ("auto" placeholders); register() is idempotent and unregister() restores deepspeed.initialize;
   Accelerate counting one process (no backend found on a CPU-only machine) is refused, naming the setting;
+- HF Trainer with TrainingArguments(use_cpu=True) keeps DeepSpeed (bitwise the run of the gloo recipe), while
+  Accelerator(cpu=True) leaves it out; "lr": "auto" filled with TrainingArguments' default learning_rate warns;
 - Lightning's DeepSpeedStrategy is not run: it refuses any accelerator but CUDA (pinned, so the docs' reason holds).
 """
 
@@ -92,10 +94,21 @@ def _fp32_allreduce_bytes(model) -> int:
     return collective_bytes("all_reduce", 4 * sum(p.numel() for p in model.parameters()), dist.get_world_size())
 
 
-def _hf_trainer(directory, stage, resume, local_steps=None):
-    """Trainer to STEPS steps, saving at STEPS/2; `resume`: from that checkpoint of an earlier run in `directory`."""
+def _as_a_fresh_process() -> None:
+    """Accelerate's state and environment as a fresh torchrun process has them (nothing configured, no
+    ACCELERATE_USE_DEEPSPEED); the process group stays. Reset again after use (_env configures the next run)."""
+    from accelerate.state import AcceleratorState
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False):
+    """Trainer to STEPS steps, saving at STEPS/2; `resume`: from that checkpoint of an earlier run in `directory`;
+    `use_cpu`: TrainingArguments(use_cpu=True) in a fresh process's state instead of the configured gloo state."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
     _env()
+    if use_cpu:
+        _as_a_fresh_process()
     sent = []
 
     class Bytes(TrainerCallback):
@@ -107,11 +120,13 @@ def _hf_trainer(directory, stage, resume, local_steps=None):
     if dist.get_rank() == 0 and not resume:
         Path(config).write_text(json.dumps(_config(stage, local_steps)))
     dist.barrier()
+    backend = {"use_cpu": True} if use_cpu else {"accelerator_config": {"use_configured_state": True}}
     args = TrainingArguments(output_dir=directory, deepspeed=config, learning_rate=3e-3,
                              per_device_train_batch_size=4, max_steps=STEPS, save_steps=STEPS // 2, logging_steps=1,
-                             report_to=[], disable_tqdm=True, accelerator_config={"use_configured_state": True})
+                             report_to=[], disable_tqdm=True, **backend)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Bytes()])
     trainer.train(resume_from_checkpoint=os.path.join(directory, f"checkpoint-{STEPS // 2}") if resume else None)
+    processes, deepspeed_enabled = trainer.accelerator.num_processes, trainer.is_deepspeed_enabled
     ours = sds.shard_optimizer(trainer.model_wrapped)
     per_step = [b - a for a, b in zip([0] + sent, sent)]
     weights = [p.detach().clone() for p in trainer.model.parameters()]
@@ -120,8 +135,11 @@ def _hf_trainer(directory, stage, resume, local_steps=None):
               "allreduce": _fp32_allreduce_bytes(model), "algorithms": [g["algorithm"] for g in ours.param_groups],
               "engine_allreduce": trainer.model_wrapped.enable_backward_allreduce,
               "zero": getattr(ours, "inner", ours).zero.stage if getattr(ours, "inner", ours).zero else 0, "losses": [h["loss"] for h in trainer.state.log_history
-                                                                       if "loss" in h]}
+                                                                       if "loss" in h],
+              "processes": processes, "deepspeed_enabled": deepspeed_enabled}
     trainer.model_wrapped.destroy()
+    if use_cpu:
+        _as_a_fresh_process()
     return result
 
 
@@ -144,6 +162,53 @@ def test_hf_trainer_with_a_deepspeed_config_trains_compressed_and_resumes_bit_ex
         assert run["engine_allreduce"] is False and run["consistent"]
         assert 0 < max(clean) <= run["allreduce"] / 25
         assert run["resumed_equal"]
+
+
+def _hf_trainer_use_cpu_and_the_gloo_recipe(directory):
+    runs = {}
+    for name, use_cpu in (("recipe", False), ("use_cpu", True)):
+        os.makedirs(os.path.join(directory, name), exist_ok=True)
+        runs[name] = _hf_trainer(os.path.join(directory, name), 2, resume=False, use_cpu=use_cpu)
+    runs["bitwise"] = all(torch.equal(a, b) for a, b in zip(runs["recipe"].pop("weights"), runs["use_cpu"].pop("weights")))
+    return runs
+
+
+def test_hf_trainer_use_cpu_runs_deepspeed_bitwise_as_the_gloo_recipe(pool2, tmp_path):
+    """TrainingArguments(use_cpu=True) with a DeepSpeed config, from a fresh process's Accelerate state: the Trainer
+    runs DeepSpeed with shardopt's optimizer on both processes, each its own batches (the same weights as the
+    documented gloo recipe, whose sampler splits the data), ZeRO 2 on a 2 × 1 mesh."""
+    for runs in pool2.run(_hf_trainer_use_cpu_and_the_gloo_recipe, str(tmp_path), timeout_s=TIMEOUT_S):
+        use_cpu = runs["use_cpu"]
+        print(f"use_cpu: replicate B/step {use_cpu['per_step']}, losses {use_cpu['losses']}")
+        assert use_cpu["deepspeed_enabled"] and use_cpu["processes"] == 2 and use_cpu["zero"] == 2, use_cpu
+        assert use_cpu["optimizer"] == "DeepSpeedSignMuon" and use_cpu["engine_allreduce"] is False, use_cpu
+        assert use_cpu["per_step"] == runs["recipe"]["per_step"] and max(use_cpu["per_step"]) > 0, runs
+        assert runs["bitwise"] and use_cpu["consistent"], runs
+
+
+def _accelerator_cpu_true():
+    """Accelerator(cpu=True, deepspeed_plugin=...) as a fresh process builds it."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+    _env()
+    _as_a_fresh_process()
+    config = _config(0)
+    config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1, gradient_clipping=1.0)
+    config["optimizer"]["params"]["lr"] = 3e-3
+    try:
+        accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+        model = _model()
+        prepared, _ = accelerator.prepare(model, DummyOptim(model.parameters()))
+        return str(accelerator.distributed_type), type(prepared).__name__
+    finally:
+        _as_a_fresh_process()
+
+
+def test_accelerator_cpu_true_leaves_deepspeed_out(pool2):
+    """Why docs/trainers.md and the refusal name InitProcessGroupKwargs for Accelerate and not cpu=True: with it
+    Accelerate wraps the model in DDP and never calls deepspeed.initialize (so no shardopt optimizer)."""
+    for distributed_type, wrapper in pool2.run(_accelerator_cpu_true, timeout_s=TIMEOUT_S):
+        assert "DEEPSPEED" not in distributed_type and wrapper == "DistributedDataParallel", (distributed_type, wrapper)
 
 
 def _accelerate(directory):
@@ -208,23 +273,35 @@ def test_accelerate_counting_one_process_is_refused_naming_the_backend(pool2):
         assert processes == 1
         assert message and "Accelerate counts 1 process(es) but 2 ranks" in message
         assert 'InitProcessGroupKwargs(backend="gloo")' in message and "use_configured_state" in message
+        assert "TrainingArguments(..., use_cpu=True)" in message and "not Accelerator(cpu=True)" in message
 
 
 def _doc_block(heading, directory):
+    """The block run as shown; the HF one (use_cpu=True on this CPU machine) from a fresh process's Accelerate state."""
     _env()
+    fresh = heading.startswith("HF Trainer")
+    if fresh:
+        _as_a_fresh_process()
     os.chdir(directory)
     namespace = {"__name__": "__main__"}
-    exec(python_block("docs/trainers.md", heading), namespace)   # noqa: S102 - the docs' own code, run as shown
+    try:
+        exec(python_block("docs/trainers.md", heading), namespace)   # noqa: S102 - the docs' own code, run as shown
+    finally:
+        if fresh:
+            _as_a_fresh_process()
     ours, stats = namespace["optimizer"], namespace["optimizer"].comm_stats()
-    return ours.replicas_consistent(), stats["replicate"]["bytes_sent"] + stats["node"]["bytes_sent"]
+    return ours.replicas_consistent(), stats["replicate"]["bytes_sent"] + stats["node"]["bytes_sent"], \
+        stats["replicate"]["bytes_sent"], ours.describe()
 
 
 @pytest.mark.parametrize("heading", ["HF Trainer with a DeepSpeed config", "Accelerate with DeepSpeed"])
 def test_the_docs_blocks_run_as_shown(pool2, tmp_path, heading):
-    """The HF block runs ZeRO 2 on one machine (one node: the node axis carries the exchange), the Accelerate
-    block ZeRO 0 (every rank a replica)."""
-    for consistent, sent in pool2.run(_doc_block, heading, str(tmp_path), timeout_s=TIMEOUT_S):
+    """Both blocks show the compressed exchange between replicas on one machine: the HF block runs ZeRO 2 on a
+    mesh of 2 replicas × 1 (one machine standing in for two nodes), the Accelerate block ZeRO 0 (every rank a
+    replica); what they print per step (describe()) is the 1-bit vote's."""
+    for consistent, sent, replicate, described in pool2.run(_doc_block, heading, str(tmp_path), timeout_s=TIMEOUT_S):
         assert consistent and sent > 0
+        assert replicate > 0 and "whole model, 2 replicas" in described and "1-bit vote" in described, described
 
 
 def test_register_is_idempotent_and_unregister_restores_deepspeed_initialize():
@@ -275,6 +352,32 @@ def test_the_shipped_configs_pass_hf_and_accelerate_config_processing(name, tmp_
     DeepSpeedPlugin(hf_ds_config=str(path)).deepspeed_config_process(must_match=False)
     the_plan = plan(hf_config.config)
     assert the_plan is None if name == "adamw" else the_plan.options.get("vote", "auto") == "auto"
+
+
+@pytest.mark.parametrize("name, documented_lr", [("Dion", 0.02), ("SignMuon", 3e-3)])
+def test_lr_auto_filled_with_training_arguments_default_is_warned_about(name, documented_lr, tmp_path):
+    """HF Trainer fills "lr": "auto" with TrainingArguments(learning_rate=...), whose default is an AdamW lr far
+    below docs/tuning.md's range for Dion and Sign-Muon: the plugin warns, naming learning_rate; with the
+    learning_rate the docs recommend, no warning."""
+    import warnings
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    def planned(**learning_rate):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **learning_rate)
+        hf_config = HfTrainerDeepSpeedConfig({"train_micro_batch_size_per_gpu": "auto",
+                                              "optimizer": {"type": name, "params": {"lr": "auto"}}})
+        hf_config.trainer_config_process(args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            the_plan = plan(hf_config.config)
+        return args.learning_rate, the_plan.options["lr"], [str(w.message) for w in caught if "lr" in str(w.message)]
+
+    default_lr, lr, messages = planned()
+    assert lr == default_lr and len(messages) == 1, messages
+    assert f"lr for the matrix params is {default_lr:g}" in messages[0] and "TrainingArguments(learning_rate=...)" in \
+        messages[0] and '"lr": "auto"' in messages[0], messages
+    assert planned(learning_rate=documented_lr)[1:] == (documented_lr, [])
 
 
 def test_a_scheduler_lr_list_with_scale_scheduler_lr_is_refused():

@@ -7,7 +7,7 @@ replicate_mesh refused)."""
 
 import pytest
 
-from two_processes import check_exchange, import_without, run_docs_block
+from two_processes import check_docs_bytes, check_exchange, import_without, run_docs_block
 
 pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
 SCENARIOS = "lightning_scenarios"   # the `scenarios` fixture (tests/conftest.py) runs it once for the module
@@ -24,6 +24,10 @@ def test_ddp_replicas_identical_one_bit_exchange_and_bit_exact_resume(scenarios)
         assert ddp["steps"] == 6 and ddp["trained"] and ddp["replicas_consistent"], ddp
         check_exchange(ddp, steps=6, saved_after=3)   # a checkpoint at each epoch end
         assert ddp["resume_bit_exact"], ddp
+
+
+def test_the_bytes_docs_trainers_md_quotes_are_this_run_s(scenarios):
+    check_docs_bytes(SCENARIOS, scenarios)
 
 
 def test_fsdp2_model_parallel_strategy_shards_and_resumes_bit_exact(scenarios):

@@ -87,3 +87,12 @@ def test_the_committed_readme_and_results_md_are_what_the_committed_csvs_give(tm
     stale = "is stale: run python launch/results_table.py --readme README.md and commit what it writes"
     assert readme.read_text() == (root / "README.md").read_text(), f"README.md {stale}"
     assert results.read_text() == (root / "docs" / "results.md").read_text(), f"docs/results.md {stale}"
+
+
+def test_the_committed_docs_tables_are_what_the_committed_csvs_give():
+    """docs/trainers.md's byte tables (and any other document of DOCS_WITH_TABLES) redrawn from results/*.csv."""
+    for document in results_table.DOCS_WITH_TABLES:
+        text = (results_table.ROOT / document).read_text()
+        assert "-->\n|" in text, f"{document} has no table drawn between its markers"
+        assert results_table.readme_with_tables(text) == text, \
+            f"{document} is stale: run python launch/results_table.py --readme README.md and commit what it writes"

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from two_processes import ROOT, check_exchange, import_without, run_docs_block
+from two_processes import ROOT, check_docs_bytes, check_exchange, import_without, run_docs_block
 
 pytest.importorskip("torchtitan", reason="the [torchtitan] extra is not installed")
 SCENARIOS = "torchtitan_scenarios"   # the `scenarios` fixture (tests/conftest.py) runs it once for the module
@@ -23,6 +23,10 @@ def test_hsdp_replicas_identical_one_bit_exchange_and_bit_exact_resume(scenarios
         assert hsdp["replicas_consistent"], hsdp
         check_exchange(hsdp, steps=6, saved_after=3)   # checkpoints at steps 3 and 6
         assert hsdp["loaded"] and hsdp["resumed_from"] == 3 and hsdp["resume_bit_exact"], hsdp
+
+
+def test_the_bytes_docs_trainers_md_quotes_are_this_run_s(scenarios):
+    check_docs_bytes(SCENARIOS, scenarios)
 
 
 def test_per_pattern_param_groups_with_a_fused_qkv_split(scenarios):

@@ -180,7 +180,7 @@ def hsdp(parallel_dims):
     per_step = [b - a for a, b in zip([0] + record["bytes"], record["bytes"])]
     return {"max_norm": config.training.max_norm, "max_grad_norm": config.optimizer.options["max_grad_norm"],
             "groups": groups, "params": params, "replicas_consistent": optimizer.replicas_consistent(),
-            "bytes_per_step": per_step, "fp32_all_reduce_bytes": 2 * (2 - 1) * 4 * params // 2,
+            "bytes_per_step": per_step, "saved_after": SAVE_AT, "fp32_all_reduce_bytes": 2 * (2 - 1) * 4 * params // 2,
             "momenta_equal_between_saves": record["momenta_equal_between_saves"],
             "momenta_equal_at_saves": record["momenta_equal_at_saves"], "loaded": loaded,
             "resumed_from": resumed_from if loaded else None, "lr": final[1],

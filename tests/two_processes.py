@@ -8,12 +8,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(script, cwd, timeout=300, **env) -> str:
+def torchrun(script, cwd, timeout=300, integrations=True, **env) -> str:
     """Run `script` with `python -m torch.distributed.run --standalone --nproc_per_node 2` in `cwd`, this
-    checkout and integrations/ (the example model) on PYTHONPATH, `env` added; assert it exits 0 and
-    return its stdout."""
+    checkout and (`integrations`) integrations/ (the example model) on PYTHONPATH, `env` added; assert it
+    exits 0 and return its stdout."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    path = os.pathsep.join([str(ROOT), str(ROOT / "integrations"), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(ROOT)] + [str(ROOT / "integrations")] * integrations + [os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **env})
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-8000:]}"
@@ -21,11 +21,12 @@ def torchrun(script, cwd, timeout=300, **env) -> str:
 
 
 def run_docs_block(heading: str, cwd, **env) -> str:
-    """docs/trainers.md's python block under `heading`, written to cwd/train.py, under `torchrun`."""
+    """docs/trainers.md's python block under `heading`, written to cwd/train.py, under `torchrun`, with what
+    `pip install shardopt` gives a user on the path (this checkout's shardopt, not integrations/)."""
     from docblocks import python_block
     script = Path(cwd) / "train.py"
     script.write_text(python_block("docs/trainers.md", heading))
-    return torchrun(script, cwd, **env)
+    return torchrun(script, cwd, integrations=False, **env)
 
 
 def run_scenarios(name: str, directory) -> list[dict]:
@@ -64,6 +65,22 @@ def check_exchange(run: dict, steps: int, saved_after: int) -> None:
     assert len(per_step) == steps and 0 < max(ordinary) <= run["fp32_all_reduce_bytes"] / 25, run
     assert not any(run["momenta_equal_between_saves"]), run
     assert run["momenta_equal_at_saves"] == [True, True], run
+
+
+def check_docs_bytes(scenarios: str, results: list[dict]) -> None:
+    """The rows of results/trainers.csv that docs/trainers.md's byte tables are drawn from are what this run of
+    tests/<scenarios>.py measured on each rank (launch/bench/trainer_bytes.py writes them from the same run)."""
+    import csv
+    sys.path.insert(0, str(ROOT / "launch" / "bench"))
+    import trainer_bytes
+    framework, layouts = next((f, layouts) for f, name, layouts in trainer_bytes.SCENARIOS if name == scenarios)
+    with trainer_bytes.CSV.open(newline="") as f:
+        committed = [row for row in csv.DictReader(f) if row["framework"] == framework]
+    for result in results:
+        measured = [trainer_bytes.figures(framework, layout, result[key]) for key, layout in layouts.items()]
+        assert measured == committed, (f"results/trainers.csv (docs/trainers.md's bytes) is not what this run sent: "
+                                       f"{measured} vs {committed}; run python launch/bench/trainer_bytes.py, then "
+                                       f"python launch/results_table.py --readme README.md, and commit what they write")
 
 
 def import_without(module: str, framework: str) -> subprocess.CompletedProcess:

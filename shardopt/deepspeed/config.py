@@ -37,6 +37,13 @@ ABSOLUTE_LR_SCHEDULERS = {
 # "auto" is HF Transformers' and Accelerate's placeholder for a value they fill in, and they reject one they do
 # not know; in a DeepSpeed config the vote format with the fewest bytes (the optimizers' vote="auto") is spelled:
 VOTE_FEWEST_BYTES = "fewest_bytes"
+# The matrix lr docs/tuning.md recommends (Sign-Muon with lr_scale "none": an absolute step, 1/10-1/20 of a 0.02 init
+# std up to the demo's 3e-3; with post_polar it is Muon-like, as Dion's). HF Transformers fills "lr": "auto" with
+# TrainingArguments(learning_rate=...), default 5e-5 (an AdamW fine-tuning lr): a matrix lr LR_WARN_FACTOR times
+# or more outside the range is warned about.
+DOCUMENTED_LR = {"dion": (0.01, 0.02), "signmuon": (1e-3, 3e-3), "signmuon_post_polar": (0.01, 0.02)}
+LR_WARN_FACTOR = 10
+HF_DEFAULT_LEARNING_RATE = 5e-5
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000   # elements, DeepSpeed's default: the stage-2 gradients in flight
 FSDP2_HINT = ("use shardopt with FSDP2 HSDP instead: fully_shard(model, mesh=mesh['shard']) and "
               "{name}(..., replicate_mesh=mesh['replicate'], shard_mesh=mesh['shard']) shard weights, gradients and "
@@ -108,8 +115,9 @@ def plan(config: dict, model=None, mpu=None, *, fp16_supported=None) -> Plan | N
     engine_config["zero_optimization"] = {"stage": 0}   # stages 1/2 are done by shardopt (see zero.py)
     engine_config.pop("optimizer", None)
     engine_config.pop("shardopt", None)
-    return Plan(cls=cls, name=name, options=_optimizer_options(cls, optimizer_config.get("params") or {}, name),
-                section=section, max_grad_norm=config.get("gradient_clipping", 0.0) or 0.0, zero_stage=stage,
+    options = _optimizer_options(cls, optimizer_config.get("params") or {}, name)
+    _warn_if_lr_far_outside_tuning(cls.matrix_algorithm, name, {**options, **(section.get("matrix") or {})})
+    return Plan(cls=cls, name=name, options=options, section=section, max_grad_norm=config.get("gradient_clipping", 0.0) or 0.0, zero_stage=stage,
                 reduce_bucket_size=_positive_int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE),
                                                  "zero_optimization.reduce_bucket_size"),
                 mesh=_mesh(section.get("mesh"), stage), local_steps=_local_steps(section.get("local_steps")),
@@ -198,6 +206,27 @@ def _optimizer_options(cls, params: dict, name: str) -> dict:
     if "betas" in options:
         options["betas"] = tuple(options["betas"])
     return options
+
+
+def _warn_if_lr_far_outside_tuning(algorithm: str, name: str, options: dict) -> None:
+    """A warning where the matrix params' lr (`options`: the optimizer params with the "shardopt" section's
+    "matrix" ones over them) is LR_WARN_FACTOR or more outside docs/tuning.md's range for `algorithm`. Sign-Muon
+    with lr_scale "unit_gain" (lr grows with √fan_in) is not checked; a non-number is left to the class."""
+    lr = options.get("lr")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or options.get("lr_scale", "none") != "none":
+        return
+    key = f"{algorithm}_post_polar" if options.get("post_polar") else algorithm
+    if key not in DOCUMENTED_LR:
+        return
+    low, high = DOCUMENTED_LR[key]
+    if low / LR_WARN_FACTOR < lr < high * LR_WARN_FACTOR:
+        return
+    where = (f"; {lr:g} is TrainingArguments' default learning_rate, which HF Transformers' Trainer puts where the "
+             f"config says \"lr\": \"auto\"" if lr == HF_DEFAULT_LEARNING_RATE else "")
+    warnings.warn(f"{name}'s lr for the matrix params is {lr:g}, {LR_WARN_FACTOR}× or more outside {low:g}-{high:g}, "
+                  f"the range docs/tuning.md recommends for {name}{' with post_polar' if options.get('post_polar') else ''}{where}. With HF Trainer and \"lr\": \"auto\" set "
+                  f"TrainingArguments(learning_rate=...) (--learning_rate), or give the optimizer's lr as a number",
+                  UserWarning, stacklevel=4)
 
 
 def _shardopt_section(config: dict) -> dict:

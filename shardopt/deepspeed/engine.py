@@ -154,10 +154,12 @@ def _check_accelerate_counts_every_rank() -> None:
     if processes != world:
         raise RuntimeError(f"Accelerate counts {processes} process(es) but {world} ranks are running: it found no "
                            f"distributed backend for DeepSpeed on this machine (no GPU), so every rank would train on the "
-                           f"same batches. Give it one: Accelerator(deepspeed_plugin=..., kwargs_handlers="
-                           f"[InitProcessGroupKwargs(backend=\"gloo\")]); with HF Trainer, before TrainingArguments: "
-                           f"os.environ[\"ACCELERATE_USE_DEEPSPEED\"] = \"true\"; accelerate.PartialState(backend=\"gloo\") "
-                           f"and TrainingArguments(..., accelerator_config={{\"use_configured_state\": True}}) (see docs/trainers.md)")
+                           f"same batches. Give it one: with HF Trainer, TrainingArguments(..., use_cpu=True) (--use_cpu; "
+                           f"DeepSpeed still runs, on gloo), or before TrainingArguments: os.environ["
+                           f"\"ACCELERATE_USE_DEEPSPEED\"] = \"true\"; accelerate.PartialState(backend=\"gloo\") and "
+                           f"TrainingArguments(..., accelerator_config={{\"use_configured_state\": True}}); with Accelerate, "
+                           f"Accelerator(deepspeed_plugin=..., kwargs_handlers=[InitProcessGroupKwargs(backend=\"gloo\")]) "
+                           f"(not Accelerator(cpu=True), which leaves DeepSpeed out) (see docs/trainers.md)")
 
 
 def _build(the_plan: Plan, model, model_parameters, check_lr_scheduler: bool) -> ShardOptimizer | DeepSpeedLocalSteps:
