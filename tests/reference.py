@@ -62,6 +62,42 @@ def vote_signs(directions: list[torch.Tensor]) -> torch.Tensor:
     return torch.sign(total).double()
 
 
+def coins(seed: int, n: int, start: int = 0) -> torch.Tensor:
+    """The tie coins of entries start … start+n−1 (±1, int64) as docs/design.md §2 documents them, written
+    again here from the text (int64 with explicit masks, not shardopt's int32 code): key z = SplitMix64(seed),
+    k₀ = z mod 2³², k₁ = ⌊z/2³²⌋ | 1; for byte g, x = (g ⊕ k₀)·k₁, x ⊕= x ≫ 16, x = x·0x85EBCA6B,
+    x ⊕= x ≫ 13, x = x·0xC2B2AE35, x ⊕= x ≫ 16 (all mod 2³²); entry i is bit i mod 8 of byte ⌊i/8⌋ of x."""
+    mask64, mask32 = 2**64 - 1, 2**32 - 1
+    z = (seed + 0x9E3779B97F4A7C15) & mask64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask64
+    z ^= z >> 31
+    index = torch.arange(start, start + n, dtype=torch.int64)
+    x = ((index // 8) ^ (z & mask32)) * ((z >> 32) | 1) & mask32      # < 2⁶⁴ wraps in int64; the low 32 bits hold
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & mask32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & mask32
+    x ^= x >> 16
+    return ((x >> (index % 8)) & 1) * 2 - 1
+
+
+def vote_bytes(fmt: str, n: int, M: int, matrices: int = 0) -> int:
+    """docs/design.md §2's table with its padding, written from the text: bytes one replica sends for n
+    entries among M replicas; allreduce_int8 2·n(M−1)/M (a 2-byte wire beyond 127 voters), allgather_1bit
+    ⌈n/8⌉ bytes to M−1 others, alltoall_1bit n padded to 8M, (M−1)/M of it out and the owner's chunk to M−1
+    others back; the 1-bit formats' flags: ⌈k/8⌉ more per message to each other replica."""
+    if M == 1:
+        return 0
+    flags = -(-matrices // 8)
+    if fmt == "allreduce_int8":
+        return 2 * (M - 1) * n * (1 if M <= 127 else 2 if M <= 2048 else 4) // M
+    if fmt == "allgather_1bit":
+        return (M - 1) * (-(-n // 8) + flags)
+    chunk = -(-n // (8 * M))                           # bytes per owner
+    return (M - 1) * (chunk + flags) + (M - 1) * chunk
+
+
 def matrix_seed(param_seed: int, index: int) -> int:
     """The seed of matrix `index` of a param (expert·blocks + block) as shardopt documents it:
     (param_seed + index·0x9E3779B97F4A7C15) mod 2⁶³ (matrix 0 keeps the param's seed)."""

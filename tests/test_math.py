@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import reference
 from reference import newton_schulz
 from shardopt.wire.comm import Axes, Axis
 from shardopt.algorithms.elementwise import adamw_update
@@ -14,8 +15,8 @@ from shardopt.algorithms.lowrank import column_normalize, dion_rank, orthonormal
 from shardopt.algorithms.nonmatrix import lion_step
 from shardopt.algorithms.polar import polar
 from shardopt.optim.schedule import complete
-from shardopt.wire.signs import majority, pack_signs, padded_length, positive_signs, unpack_signs
-from shardopt.wire.vote import vote_format
+from shardopt.wire.signs import count_positive, majority, pack_signs, padded_length, positive_signs, unpack_signs
+from shardopt.wire.vote import VOTE_FORMATS, tie_coins, vote_bytes, vote_format
 
 A, B, C = 3.4445, -4.7750, 2.0315
 
@@ -115,6 +116,48 @@ def test_majority_single_voter_returns_own_sign():
     positive = random_bools(50, seed=1)
     V = majority(positive.to(torch.int32), 1, torch.ones(50, dtype=torch.int8))
     assert torch.equal(V, torch.where(positive, 1, -1).to(torch.int8))
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 5, 64, 300])
+def test_count_positive_counts_set_bits_per_entry_over_rows(replicas):
+    rows = torch.stack([random_bools(37, seed=s) for s in range(replicas)])            # (M, 37)
+    counts = count_positive(torch.stack([pack_signs(r) for r in rows]), 37)
+    assert counts.dtype == (torch.uint8 if replicas <= 255 else torch.int16)
+    assert torch.equal(counts.long(), rows.long().sum(0))
+
+
+# ---- tie coins (docs/design.md §2) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 77, 12345, 2**63 - 1])
+def test_tie_coins_are_the_documented_hash_of_seed_and_entry(seed):
+    assert torch.equal(tie_coins(seed, 0, 1001, torch.device("cpu")).long(), reference.coins(seed, 1001))
+    assert torch.equal(tie_coins(seed, 8 * 999, 64, torch.device("cpu")).long(), reference.coins(seed, 64, 8 * 999))
+
+
+def test_tie_coins_of_owner_chunks_are_the_whole_votes_coins_and_fair():
+    """An owner draws only its chunk; the chunks in order are every entry's coins (so "allgather_1bit" and
+    "alltoall_1bit" break a tie alike, at any replica count); about half are +1 at every bit position."""
+    n = 1 << 16
+    whole = tie_coins(5, 0, n, torch.device("cpu"))
+    for voters in (2, 4, 64):
+        chunk = padded_length(n, 8 * voters) // voters
+        assert torch.equal(torch.cat([tie_coins(5, owner * chunk, chunk, torch.device("cpu"))
+                                      for owner in range(voters)])[:n], whole)
+    heads = (whole > 0).view(-1, 8).double().mean(0)
+    assert ((heads - 0.5).abs() < 0.02).all(), heads
+    assert not torch.equal(whole, tie_coins(6, 0, n, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("fmt", VOTE_FORMATS)
+def test_vote_bytes_counted_from_the_exchange_equal_the_documented_table(fmt):
+    """vote_bytes runs the format's own exchange on a counting axis; tests/reference.py's table is the oracle."""
+    for n in (1, 37, 96, 768, 4099):
+        for voters in (1, 2, 3, 4, 8, 63, 64, 128, 300):
+            for matrices in (0, 1, 5, 9):
+                if matrices and n % matrices:
+                    continue
+                assert vote_bytes(fmt, n, voters, matrices) == reference.vote_bytes(fmt, n, voters, matrices), \
+                    (n, voters, matrices)
 
 
 # ---- orthonormalize, column_normalize, dion_rank -------------------------------------------------

@@ -8,7 +8,7 @@ Pinned here:
   makes each the mean.
 - Sign-Muon's vote equals sign(Σ sign(polar(Mᵢ))) computed from every replica's
   direction, exactly, with each format's tie rule (abstain for "allreduce_int8", the
-  shared coins `shardopt.wire.vote.tie_coins(n, bucket_seed, M, None)` for the 1-bit formats).
+  shared coins for the 1-bit formats: `reference.coins(bucket_seed, n)`, docs/design.md §2's hash).
 - Parameters stay bit-identical on all replicas in every mode.
 - comm_stats() equals docs/design.md's byte formulas; the 768×3072 ratios against an fp32 ring all-reduce.
 - Bad replicate meshes and vote names raise ValueError.
@@ -28,7 +28,7 @@ from shardopt.optim import traffic
 from shardopt.wire.comm import Axis, collective_bytes
 from shardopt.layout.placement import MatrixLayout
 from shardopt.optim.schedule import complete
-from shardopt.wire.vote import FORMATS, resolve_vote, tie_coins, vote_bytes
+from shardopt.wire.vote import FORMATS, resolve_vote, vote_bytes
 
 WORLD_SIZES = [2, 3, 4]
 TIMEOUT_S = 60
@@ -153,7 +153,7 @@ def _signmuon_run(vote_name, steps=20):
             formats.add(fmt)
             tie = total == 0
             if fmt != "allreduce_int8" and world % 2 == 0:
-                coins = tie_coins(positive.numel(), _bucket_seed(bucket[0], step + 1), world, None, positive.device)
+                coins = reference.coins(_bucket_seed(bucket[0], step + 1), positive.numel())
                 expected = torch.where(tie, coins.to(expected.dtype), expected)
                 tie_plus += int((tie & (coins > 0)).sum())
                 tie_minus += int((tie & (coins < 0)).sum())
@@ -381,8 +381,7 @@ def test_vote_function_tie_rule_and_padded_bytes(pools, world_size, fmt):
         total = signs.sum(dim=0)
         expected = torch.sign(total)
         if fmt != "allreduce_int8" and world_size % 2 == 0:
-            expected = torch.where(total == 0, tie_coins(n, seed, world_size, None, torch.device("cpu")).to(expected.dtype),
-                                   expected)
+            expected = torch.where(total == 0, reference.coins(seed, n).to(expected.dtype), expected)
         if world_size % 2 == 0:
             assert (total == 0).any()
         for result in results:

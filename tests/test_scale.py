@@ -360,6 +360,42 @@ def test_vote_makes_no_int64_or_replicas_by_entries_temporaries_and_draws_only_o
         assert not wide, wide
         largest = max(s[2] * s[1].itemsize for s in result["seen"])
         assert largest <= n, largest                      # bytes: at most one byte per entry (M·n would be 4n)
-        coins = [s[2] for s in result["seen"] if "randint" in s[0]]
-        assert coins == ({"allreduce_int8": [], "allgather_1bit": [n // 4] * 4, "alltoall_1bit": [n // 4]}[fmt])
+        # the coins' one draw: hash bytes over an int32 index of ⌈entries/8⌉ (docs/design.md §2), 8 entries each
+        coins = [8 * s[2] for s in result["seen"] if "arange" in s[0] and s[1] == torch.int32]
+        assert coins == ({"allreduce_int8": [], "allgather_1bit": [n], "alltoall_1bit": [n // 4]}[fmt])
         assert torch.equal(result["V"], results[0]["V"])
+
+
+def _vote_ops(fmt: str, voters: int, abstain: bool, matrices: int) -> tuple[int, int]:
+    """(aten ops, host syncs) of one vote on 7680 entries (a multiple of 8·M: no padding) at `voters` replicas
+    (a counting axis: the same ops as on a process group, nothing moves), after one vote made the tables."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardopt.optim.schedule import complete
+    from shardopt.wire.comm import CountingAxis
+    from shardopt.wire.vote import FORMATS
+    counted = {"ops": 0, "syncs": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counted["ops"] += 1
+            counted["syncs"] += func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.equal)
+            return func(*args, **(kwargs or {}))
+    positive = torch.rand(7680, generator=torch.Generator().manual_seed(0)) < 0.5
+    options = {"abstain": positive.roll(1) & ~positive if abstain else None,
+               "silent": torch.arange(matrices) % 3 == 0 if matrices else None}
+    complete(FORMATS[fmt].exchange(positive, CountingAxis("replicate", voters), 1, **options))
+    with Count():
+        complete(FORMATS[fmt].exchange(positive, CountingAxis("replicate", voters), 1, **options))
+    return counted["ops"], counted["syncs"]
+
+
+@pytest.mark.parametrize("fmt", ["allreduce_int8", "allgather_1bit", "alltoall_1bit"])
+@pytest.mark.parametrize("abstain, matrices", [(False, 0), (True, 0), (False, 4)])
+def test_vote_issues_the_same_few_ops_at_any_replica_count_and_no_host_sync(fmt, abstain, matrices):
+    """The counts are taken per bit plane and the coins in one draw, so a vote dispatches a fixed number of
+    ops at 4, 8, 64 or 120 replicas (even counts: ties, so coins are drawn at each), and reads nothing back."""
+    counted = {voters: _vote_ops(fmt, voters, abstain, matrices) for voters in (4, 8, 64, 120)}
+    assert len(set(counted.values())) == 1, counted
+    ops, syncs = counted[4]
+    assert syncs == 0 and ops <= 160, counted

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..wire.comm import complete  # noqa: F401  (one step run synchronously; here for the step loop's callers)
+
 
 class Schedule:
     """`overlap`'s actions over `steps` (an iterable of step generators, made lazily: the next one
@@ -68,12 +70,3 @@ def overlap(steps, depth: int = 2) -> None:
     """Run bucket-step generators to completion, at most `depth` in flight."""
     Schedule(steps, depth).run()
 
-
-def complete(step):
-    """Run one step generator synchronously and return its return value."""
-    try:
-        pending = next(step)
-        while True:
-            pending = step.send(pending.wait())
-    except StopIteration as stop:
-        return stop.value

@@ -129,6 +129,17 @@ class Pending:
         return self.work is None or self.work.is_completed()
 
 
+def complete(step):
+    """Run one generator of collectives (it yields each `Pending`, is resumed with its result)
+    synchronously and return its return value."""
+    try:
+        pending = next(step)
+        while True:
+            pending = step.send(pending.wait())
+    except StopIteration as stop:
+        return stop.value
+
+
 class Axis:
     """One mesh axis with byte accounting. Collectives return new tensors or work in place as documented."""
 

@@ -1,18 +1,27 @@
 """Signs as bits: the 1-bit wire format of Sign-Muon's vote.
 
 A sign tensor is a bool tensor `positive` (True ⇔ +1, False ⇔ −1): exact zeros
-count as positive so the map is deterministic.
+count as positive so the map is deterministic. Every function here issues a fixed number of
+ops whatever the number of rows (replicas) it reads: no Python loop over rows or bits of data.
 """
+
+import functools
 
 import torch
 
 
-
-def _unpack_table(device) -> torch.Tensor:
-    """(256, 8) bool: row b holds the bits of the byte b, least significant first (made on `device`: no
-    host-to-device copy inside a step)."""
+@functools.cache
+def _unpack_table(device: torch.device) -> torch.Tensor:
+    """(256, 8) bool: row b holds the bits of the byte b, least significant first. Made once per device
+    (no host-to-device copy, and no rebuilding, inside a step)."""
     byte = torch.arange(256, dtype=torch.uint8, device=device)
     return (byte[:, None] >> torch.arange(8, dtype=torch.uint8, device=device)) & 1 != 0
+
+
+@functools.cache
+def _bit_values(device: torch.device) -> torch.Tensor:
+    """(8,) uint8: 1, 2, 4, …, 128, the value of bit i of a byte; made once per device."""
+    return torch.ones(8, dtype=torch.uint8, device=device) << torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def positive_signs(U: torch.Tensor) -> torch.Tensor:
@@ -33,17 +42,16 @@ def padded_length(n: int, multiple: int) -> int:
 def pack_signs(positive: torch.Tensor, pad_to: int = 8) -> torch.Tensor:
     """Pack a flat bool tensor (n,) into uint8 (ceil(n/pad_to)·pad_to/8,), bit i of byte k = entry 8k+i.
 
-    Padding entries (beyond n) are zeros (−1); `pad_to` must be a multiple of 8. Bit by bit with shifts
-    and ors on (n/8,) bytes (faster on a CPU than weighting and summing (n/8, 8)).
+    Padding entries (beyond n) are zeros (−1); `pad_to` must be a multiple of 8. byte k = Σᵢ 2ⁱ·[entry 8k+i]
+    over the (n/8, 8) bytes of the bools (an n-byte temporary, a fixed number of ops).
     """
     n = positive.numel()
-    bits = torch.zeros(padded_length(n, pad_to), dtype=torch.uint8, device=positive.device)
-    bits[:n] = positive.reshape(-1)
-    columns = bits.view(-1, 8)
-    packed = columns[:, 0].clone()
-    for bit in range(1, 8):
-        packed.bitwise_or_(columns[:, bit] << bit)
-    return packed
+    if n % pad_to:
+        bits = torch.zeros(padded_length(n, pad_to), dtype=torch.bool, device=positive.device)
+        bits[:n] = positive.reshape(-1)
+    else:
+        bits = positive.reshape(-1)
+    return (bits.view(torch.uint8).view(-1, 8) * _bit_values(positive.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
@@ -61,11 +69,14 @@ def count_dtype(voters: int) -> torch.dtype:
 
 def count_positive(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Per entry, how many rows of `packed` (M, c) uint8 have its bit set: (n,) in count_dtype(M).
-    Unpacks one row at a time, so the working set is O(n) bytes, not O(M·n)."""
-    counts = torch.zeros(n, dtype=count_dtype(packed.shape[0]), device=packed.device)
-    for row in packed:
-        counts += unpack_signs(row, n)
-    return counts
+
+    Bit plane by bit plane: plane i = Σ_rows (packed ≫ i) & 1, the counts of entries 8k+i (c,); the 8
+    planes interleave into (c, 8) = (8c,). 8 planes, whatever M: a fixed number of ops, the working set
+    one (M, c) byte plane (the size of what was received) and the n counts, never an unpacked (M, n).
+    """
+    dtype = count_dtype(packed.shape[0])
+    planes = [torch.bitwise_right_shift(packed, bit).bitwise_and_(1).sum(0, dtype=dtype) for bit in range(8)]
+    return torch.stack(planes, dim=-1).view(-1)[:n]
 
 
 def majority(positive_counts: torch.Tensor, voters, tie_break: torch.Tensor | None) -> torch.Tensor:

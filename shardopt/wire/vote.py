@@ -10,17 +10,23 @@ V = sign(Σ_replicas s). Bytes one replica sends for n entries and M replicas:
 | "alltoall_1bit"  | all-to-all packed chunks to chunk owners, owners | n(M−1)/(4M)     |
 |                  | count and sign, all-gather of the packed result  |                 |
 
+(`VoteFormat.bytes`: the format's own exchange run on a counting axis, so the table
+is what the code sends by construction; tests/reference.py keeps the table as the oracle.)
+
 Ties: "allreduce_int8" carries a zero and abstains (V = 0); the 1-bit formats
-break the tie with a coin ±1 drawn from a seed all replicas share, so every
+break the tie with a coin ±1 from a seed all replicas share, entry i's coin a hash
+of (seed, i) in int32 arithmetic (coins.py), the same bits on every device, so every
 replica gets the same V. n is padded to a multiple of 8 (1-bit formats) and of
-8M ("alltoall_1bit").
+8M ("alltoall_1bit"). A vote issues a fixed number of ops whatever M (the counts
+are taken per bit plane, signs.count_positive) and no host sync.
 
 Silent matrices (Sign-Muon: a matrix whose momentum is exactly zero on this
 replica votes on none of its entries). The n entries are k equal matrices
 (`matrices` = k); each replica sends one "I vote" flag bit per matrix, and each
 entry's majority is over the replicas that vote on its matrix (ties among them
 as above); a matrix no replica votes on gets V = 0 and does not move.
-"allreduce_int8" sends zeros there (no extra bytes); the 1-bit formats append
+"allreduce_int8" sends zeros there (no extra bytes); the 1-bit formats send
+0 bits there (so the receivers' counts of +1 are the voters') and append
 the k flags, ⌈k/8⌉ bytes, to the payload each replica already sends: the
 all-gather's row, and every chunk of the all-to-all (so every replica learns
 every replica's flags there): (M−1)·⌈k/8⌉ bytes per vote more, whether or not a
@@ -34,12 +40,13 @@ which every replica abstains move by a fair ±1, not by a fixed −1/+1).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from .comm import Axis, collective_bytes
-from .seeds import mix_seed
+from .coins import coin_bytes
+from .comm import Axis, CountingAxis, complete
 from .signs import as_signs, count_dtype, count_positive, majority, pack_signs, padded_length, per_entry, unpack_signs
-
 
 
 def _int_wire_dtype(voters: int) -> torch.dtype:
@@ -50,28 +57,13 @@ def _int_wire_dtype(voters: int) -> torch.dtype:
     return torch.float16 if voters <= 2048 else torch.int32
 
 
-def coin(n: int, seed: int, device: torch.device) -> torch.Tensor:
-    """n fair ±1 coins (int8) from `seed`; identical on every replica that passes the same seed
-    (on the meta device: their shape only)."""
-    if device.type == "meta":
-        return torch.empty(n, dtype=torch.int8, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    return torch.randint(0, 2, (n,), generator=generator, device=device, dtype=torch.int8).mul_(2).sub_(1)
-
-
-def tie_coins(n: int, seed: int, voters: int, owner: int | None, device: torch.device) -> torch.Tensor:
-    """±1 coins (int8) that break ties among an even number of `voters` on n entries.
-
-    The entries are cut into `voters` chunks of c = padded_length(n, 8·voters)/voters (the chunks
-    "alltoall_1bit" owners count); chunk o's coins come from a generator seeded (seed·1_000_003 + o)
-    mod 2⁶³, so an owner draws only its own c coins. owner=None: every entry's coin (n,), the chunks
-    in order ("allgather_1bit", where every replica counts everything). Identical on every replica
-    that passes the same seed, so both formats break a tie alike.
-    """
-    chunk = padded_length(n, 8 * voters) // voters
-    if owner is not None:
-        return coin(chunk, mix_seed(seed, owner), device)
-    return torch.cat([coin(chunk, mix_seed(seed, o), device) for o in range(voters)])[:n]
+def tie_coins(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
+    """±1 coins (int8, (length,)) of entries start … start+length−1 (start a multiple of 8): the
+    device-independent coins of `seed` (coins.py: entry i's coin is bit i mod 8 of hash byte ⌊i/8⌋),
+    drawn in one pass for just these entries ("alltoall_1bit": an owner's chunk; "allgather_1bit":
+    all n). The same on every replica, device and replica count, so both formats break a tie alike."""
+    heads = unpack_signs(coin_bytes(seed, start // 8, padded_length(length, 8) // 8, device), length)
+    return as_signs(heads)
 
 
 def abstain_seed(seed: int) -> int:
@@ -79,32 +71,31 @@ def abstain_seed(seed: int) -> int:
     return (seed * 6364136223846793005 + 1442695040888963407) % 2**63
 
 
-def _with_abstentions(positive: torch.Tensor, abstain: torch.Tensor | None, seed: int) -> torch.Tensor:
-    """A 1-bit format cannot carry a zero: where this replica abstains it sends its own coin
-    (reusing the tie coin would let an abstainer decide every tie): positive ⊕ ((positive ⊕ coin) ∧ abstain),
-    bool ops (faster than torch.where on a CPU)."""
-    if abstain is None:
-        return positive
-    heads = coin(positive.numel(), abstain_seed(seed), positive.device) > 0
-    return positive ^ ((positive ^ heads) & abstain)
-
-
-def flag_bytes(matrices: int) -> int:
-    """Bytes of the per-matrix "I vote" flags a 1-bit format appends (0 without silent matrices)."""
-    return padded_length(matrices, 8) // 8
+def _voting_signs(positive: torch.Tensor, abstain: torch.Tensor | None, silent: torch.Tensor | None,
+                  seed: int) -> torch.Tensor:
+    """The bits this replica sends in a 1-bit format, bool (n,). Where it abstains, its coin (a 1-bit
+    format cannot carry a zero; reusing the tie coin would let an abstainer decide every tie):
+    positive ⊕ ((positive ⊕ heads) ∧ abstain), bool ops (faster than torch.where on a CPU). On the
+    matrices it is silent on (`silent` (k,)), zeros: the receivers then count +1 votes of the voting
+    replicas only, and learn from the flags how many vote."""
+    if abstain is not None:
+        heads = unpack_signs(coin_bytes(abstain_seed(seed), 0, padded_length(positive.numel(), 8) // 8,
+                                        positive.device), positive.numel())
+        positive = positive ^ ((positive ^ heads) & abstain)
+    if silent is not None:
+        positive = (positive.view(silent.numel(), -1) & ~silent[:, None]).view(-1)
+    return positive
 
 
 def voting_counts(bits: torch.Tensor, flags: torch.Tensor | None, entries: int, start: int, length: int):
     """(+1 votes, voters) per entry of [start, start + length) from every replica's packed bits
-    `bits` (M, ⌈length/8⌉) over those entries and its per-matrix flags `flags` (M, k) bool (None:
-    every replica votes on everything: voters is the int M). Counted one replica's row at a time."""
+    `bits` (M, ⌈length/8⌉) over those entries (zeros on the matrices a replica is silent on:
+    `_voting_signs`) and its per-matrix flags `flags` (M, k) bool (None: every replica votes on
+    everything: voters is the int M). A fixed number of ops whatever M (signs.count_positive)."""
+    counts = count_positive(bits, length)
     if flags is None:
-        return count_positive(bits, length), bits.shape[0]
-    dtype = count_dtype(bits.shape[0])
-    counts = torch.zeros(length, dtype=dtype, device=bits.device)
-    for row, votes in zip(bits, flags):
-        counts += unpack_signs(row, length) & per_entry(votes, entries, start, length, False)
-    return counts, per_entry(flags.sum(0, dtype=dtype), entries, start, length)
+        return counts, bits.shape[0]
+    return counts, per_entry(flags.sum(0, dtype=count_dtype(bits.shape[0])), entries, start, length)
 
 
 def _entries(n: int, silent: torch.Tensor | None) -> int:
@@ -118,24 +109,39 @@ def silence(V: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
 
 
 class VoteFormat:
-    """A wire format of the vote: `bytes(n, voters, matrices)` one replica sends for n entries, and
-    `exchange(positive, axis, seed, abstain, silent)`, the vote as a generator of collectives
-    (schedule.py) that returns V = sign(Σ_replicas sᵢ) as int8 (n,) in {−1, 0, +1}. `positive`:
-    flat bool (n,); `seed`: equal on all replicas (the tie coins); `abstain`: bool (n,) or None,
-    entries where this replica's sᵢ is 0; `silent`: bool (k,) or None, the n entries being k equal
-    matrices, those this replica votes on none of (module docstring). Working memory per entry: a
-    few bytes, never int64 and never an (M × n) unpacked tensor (gathered bits are counted one
-    replica's row at a time)."""
+    """A wire format of the vote: `exchange(positive, axis, seed, abstain, silent)`, the vote as a
+    generator of collectives (schedule.py) that returns V = sign(Σ_replicas sᵢ) as int8 (n,) in
+    {−1, 0, +1}. `positive`: flat bool (n,); `seed`: equal on all replicas (the tie coins); `abstain`:
+    bool (n,) or None, entries where this replica's sᵢ is 0; `silent`: bool (k,) or None, the n entries
+    being k equal matrices, those this replica votes on none of (module docstring). Working memory per
+    entry: a few bytes, never int64 and never an (M × n) unpacked tensor; ops per vote: a fixed number,
+    whatever M. `cost` and `bytes` are what `exchange` itself sends, counted (`_counted`)."""
 
     name = ""
-    calls = 1   # collectives per vote (ties of `bytes` go to fewer calls)
-
-    def bytes(self, n: int, voters: int, matrices: int = 0) -> int:
-        raise NotImplementedError
 
     def exchange(self, positive: torch.Tensor, axis: Axis, seed: int, abstain: torch.Tensor | None = None,
                  silent: torch.Tensor | None = None):
         raise NotImplementedError
+
+    def cost(self, n: int, voters: int, matrices: int = 0) -> tuple[int, int]:
+        """(bytes one replica sends, collectives) of a vote on n entries among `voters` replicas (k =
+        `matrices` silence flags, 0 for none): the format's own `exchange`, counted (`_counted`)."""
+        return _counted(self, n, voters, matrices)
+
+    def bytes(self, n: int, voters: int, matrices: int = 0) -> int:
+        """Bytes one replica sends for a vote on n entries among `voters` (k = `matrices` flags)."""
+        return self.cost(n, voters, matrices)[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _counted(fmt: VoteFormat, n: int, voters: int, matrices: int) -> tuple[int, int]:
+    """`fmt.exchange` on meta tensors against a counting axis of `voters` ranks: (bytes sent, calls), by
+    construction those the real vote sends (one byte model: comm.collective_bytes of the collectives
+    it issues). Remembered: a meta run takes milliseconds, and plans ask for the same sizes again."""
+    axis = CountingAxis("replicate", voters)
+    silent = torch.empty(matrices, dtype=torch.bool, device="meta") if matrices else None
+    complete(fmt.exchange(torch.empty(n, dtype=torch.bool, device="meta"), axis, 0, silent=silent))
+    return axis.bytes_sent, axis.calls
 
 
 class AllreduceInt8(VoteFormat):
@@ -143,10 +149,6 @@ class AllreduceInt8(VoteFormat):
     an abstention and a silent matrix vote 0."""
 
     name = "allreduce_int8"
-
-    def bytes(self, n: int, voters: int, matrices: int = 0) -> int:
-        itemsize = torch.empty(0, dtype=_int_wire_dtype(voters)).element_size()
-        return collective_bytes("all_reduce", n * itemsize, voters)
 
     def exchange(self, positive, axis, seed, abstain=None, silent=None):
         voters = axis.size
@@ -162,18 +164,16 @@ class AllreduceInt8(VoteFormat):
 
 
 class AllgatherOneBit(VoteFormat):
-    """All-gather of the packed bits; every replica counts everything; ties by the shared coins."""
+    """All-gather of the packed bits (and the flags); every replica counts everything; ties by the
+    shared coins of all n entries."""
 
     name = "allgather_1bit"
-
-    def bytes(self, n: int, voters: int, matrices: int = 0) -> int:
-        return collective_bytes("all_gather", padded_length(n, 8) // 8 + flag_bytes(matrices), voters)
 
     def exchange(self, positive, axis, seed, abstain=None, silent=None):
         if axis.size == 1:
             return (yield from ALLREDUCE_INT8.exchange(positive, axis, seed, abstain, silent))
         n, voters = positive.numel(), axis.size
-        packed = pack_signs(_with_abstentions(positive, abstain, seed))
+        packed = pack_signs(_voting_signs(positive, abstain, silent, seed))
         if silent is not None:
             packed = torch.cat([packed, pack_signs(~silent)])
         gathered = yield axis.all_gather(packed, async_op=True)      # (M, ceil(n/8) [+ ceil(k/8)])
@@ -181,37 +181,32 @@ class AllgatherOneBit(VoteFormat):
         flags = None if silent is None else unpack_signs(gathered[:, bits:], silent.numel())
         counts, voting = voting_counts(gathered[:, :bits], flags, _entries(n, silent), 0, n)
         ties = voters % 2 == 0 or silent is not None      # among fewer voters a tie can come at odd M
-        V = majority(counts, voting, tie_coins(n, seed, voters, None, positive.device) if ties else None)
+        V = majority(counts, voting, tie_coins(seed, 0, n, positive.device) if ties else None)
         return V if flags is None else silence(V, flags)
 
 
 class AlltoallOneBit(VoteFormat):
-    """All-to-all of packed chunks to their owners, who count and sign them; all-gather of the
-    packed result: 1/32 of a float32 all-reduce at every replica count."""
+    """All-to-all of packed chunks to their owners, who count and sign them (ties by the coins of
+    their own chunk only); all-gather of the packed result: 1/32 of a float32 all-reduce at every
+    replica count."""
 
     name = "alltoall_1bit"
-    calls = 2
-
-    def bytes(self, n: int, voters: int, matrices: int = 0) -> int:
-        packed = padded_length(n, 8 * voters) // 8
-        return (collective_bytes("all_to_all", packed + voters * flag_bytes(matrices), voters)
-                + collective_bytes("all_gather", packed // voters, voters))
 
     def exchange(self, positive, axis, seed, abstain=None, silent=None):
         if axis.size == 1:
             return (yield from ALLREDUCE_INT8.exchange(positive, axis, seed, abstain, silent))
         n, voters = positive.numel(), axis.size
-        packed = pack_signs(_with_abstentions(positive, abstain, seed), pad_to=8 * voters)   # (M·c,) c bytes per owner
-        chunk = packed.numel() // voters
+        packed = pack_signs(_voting_signs(positive, abstain, silent, seed), pad_to=8 * voters)   # (M·c,)
+        chunk = packed.numel() // voters                              # c bytes per owner
         if silent is not None:                                        # the flags ride along with every chunk
             flags = pack_signs(~silent)
             packed = torch.cat([packed.view(voters, chunk), flags.expand(voters, flags.numel())], dim=1).view(-1)
         received = (yield axis.all_to_all(packed, async_op=True)).view(voters, -1)   # my chunk from everyone
         flags = None if silent is None else unpack_signs(received[:, chunk:], silent.numel())
-        counts, voting = voting_counts(received[:, :chunk], flags, _entries(n, silent), axis.rank * 8 * chunk, 8 * chunk)
+        start = axis.rank * 8 * chunk
+        counts, voting = voting_counts(received[:, :chunk], flags, _entries(n, silent), start, 8 * chunk)
         ties = voters % 2 == 0 or silent is not None      # among fewer voters a tie can come at odd M
-        tie_break = tie_coins(n, seed, voters, axis.rank, positive.device) if ties else None
-        owned_vote = majority(counts, voting, tie_break) > 0
+        owned_vote = majority(counts, voting, tie_coins(seed, start, 8 * chunk, positive.device) if ties else None) > 0
         result = (yield axis.all_gather(pack_signs(owned_vote), async_op=True)).reshape(-1)   # (M·c,)
         V = as_signs(unpack_signs(result, n))
         return V if flags is None else silence(V, flags)
@@ -233,12 +228,12 @@ def vote_bytes(vote: str, n: int, voters: int, matrices: int = 0) -> int:
 
 def vote_format(vote: str, n: int, voters: int, matrices: int = 0) -> VoteFormat:
     """The format to use for n entries (k = `matrices` flags): `vote` itself, or for "auto" the one
-    with fewest bytes at `voters` replicas (ties: fewer calls)."""
+    with fewest bytes at `voters` replicas (ties: fewer collectives)."""
     if vote not in VOTES:
         raise ValueError(f"vote must be one of {VOTES}, got {vote!r}")
     if vote != "auto":
         return FORMATS[vote]
-    return min(FORMATS.values(), key=lambda fmt: (fmt.bytes(n, voters, matrices), fmt.calls))
+    return min(FORMATS.values(), key=lambda fmt: fmt.cost(n, voters, matrices))
 
 
 def resolve_vote(vote: str, n: int, voters: int, matrices: int = 0) -> str:
