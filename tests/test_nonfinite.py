@@ -75,3 +75,38 @@ def test_nonfinite_raise_raises_on_every_rank_and_names_the_param(pool4):
 def test_invalid_nonfinite_option_is_rejected():
     with pytest.raises(ValueError, match="Invalid nonfinite: 'ignore'"):
         shardopt.Dion([torch.nn.Parameter(torch.randn(4, 4))], nonfinite="ignore")
+
+
+def _host_reads(opt, monkeypatch) -> int:
+    """Device values one opt.step() reads back to the host: aten._local_scalar_dense (.item(), bool(t),
+    int(t)) and Tensor.tolist (which reads a CPU tensor without a dispatch), the CPU step counters aside."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    counters = {state["step"].data_ptr() for state in opt.state.values()}
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: reads.append("tolist") or tolist(tensor))
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten._local_scalar_dense and args[0].data_ptr() not in counters:
+                reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+    with Count():
+        opt.step()
+    return len(reads)
+
+
+@pytest.mark.parametrize("algorithm", ["dion", "signmuon"])
+def test_a_step_reads_the_device_once_also_when_it_skips_and_names_the_params(algorithm, monkeypatch, caplog):
+    """One host sync per step (the agreed flag and this rank's non-finite params, read together), also on a
+    skipped step with several bad params: not one read per param (shardopt/optim/agreement.py)."""
+    params = [torch.nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(i))) for i in range(4)]
+    opt = (shardopt.Dion if algorithm == "dion" else shardopt.SignMuon)(params, lr=1e-2)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    opt.step()
+    assert _host_reads(opt, monkeypatch) == 1
+    params[1].grad[0, 0], params[3].grad[2, 1] = float("nan"), float("inf")
+    with caplog.at_level("WARNING", logger="shardopt"):
+        assert _host_reads(opt, monkeypatch) == 1
+    assert opt.skipped_steps == 1 and "params #1 of param group 0, #3 of param group 0" in caplog.text

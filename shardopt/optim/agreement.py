@@ -3,6 +3,13 @@ collectives: at construction, that the ranks hold the same params and settings; 
 whether a gradient is non-finite anywhere (skip or raise), which params have a gradient somewhere,
 and (at scheduled steps) that nobody averaged the gradients already (guard.py). Nothing here
 changes optimizer state: a step that does not pass changes nothing.
+
+Host syncs (reads of a device value; each waits for the device): one per step, the agreed flag
+together with this rank's per-param non-finite bits (`agreed_flag`), since whether the step runs
+decides which kernels and collectives are queued at all. A second only where a further decision
+needs one: on a step where some rank lacks a gradient, which params step (`has_grad`, exchanged only
+then); at the double-averaging check's scheduled steps, its verdict (guard.py: it must raise before
+the step sends anything else).
 """
 
 from __future__ import annotations
@@ -44,18 +51,25 @@ def check_ranks_agree(labeled_params, groups: list[dict], settings: dict, axes, 
                                  f"must build the optimizer from the same model and arguments")
 
 
-def gradient_flag(grads: list[torch.Tensor], missing: bool, axes, device) -> int:
-    """max over all ranks of `axes` of: 2 if the rank's `grads` hold a NaN/inf (or a norm that
-    overflows its dtype), else 1 if `missing` (the rank lacks a gradient some param may have
-    elsewhere), else 0. One all-reduce of one float per axis and one device sync."""
+def agreed_flag(grads: list[torch.Tensor], missing: bool, axes, device) -> tuple[int, list[bool]]:
+    """(flag, this rank's non-finite grads): flag = max over all ranks of `axes` of 2 if the rank's
+    `grads` hold a NaN/inf (or a norm that overflows its dtype), else 1 if `missing` (the rank lacks a
+    gradient some param may have elsewhere), else 0; and per grad of `grads` whether its norm is
+    non-finite here. One all-reduce of one float per axis; both read back in one device sync."""
     if grads:
-        norms = torch.stack(torch._foreach_norm(grads)).float()
-        flag = torch.where((~torch.isfinite(norms)).any(), 2.0, float(missing)).reshape(1)
+        bad = ~torch.isfinite(torch.stack(torch._foreach_norm(grads)).float())
+        flag = torch.where(bad.any(), 2.0, float(missing)).reshape(1)
     else:
-        flag = torch.full((1,), float(missing), device=device)
+        bad, flag = torch.zeros(0, dtype=torch.bool, device=device), torch.full((1,), float(missing), device=device)
     for axis in axes:
         axis.all_reduce(flag, "max")
-    return int(flag.item())
+    values = torch.cat([flag, bad.float()]).tolist()
+    return int(values[0]), [value > 0 for value in values[1:]]
+
+
+def gradient_flag(grads: list[torch.Tensor], missing: bool, axes, device) -> int:
+    """The flag of `agreed_flag` alone (one all-reduce of one float per axis, one device sync)."""
+    return agreed_flag(grads, missing, axes, device)[0]
 
 
 class StepDecision(NamedTuple):
@@ -94,10 +108,11 @@ class StepAgreement:
         if device.type == "meta":   # meta tensors hold no values: nothing to agree on, nothing to read back
             return StepDecision({p for p in params if p.grad is not None})
         self._check_not_double_averaged(params, replicate, agreement_axes, device)
-        grads = [local(p.grad) for p in params if p.grad is not None]
-        flag = gradient_flag(grads, len(grads) < len(params) or bool(stale), agreement_axes, device)
+        with_grad = [p for p in params if p.grad is not None]
+        flag, bad = agreed_flag([local(p.grad) for p in with_grad], len(with_grad) < len(params) or bool(stale),
+                                agreement_axes, device)
         if flag == 2:
-            self._report_nonfinite(params, labels)
+            self._report_nonfinite([labels[p] for p, nonfinite in zip(with_grad, bad) if nonfinite])
             return StepDecision(None)
         if flag == 0:
             return StepDecision(set(params))
@@ -128,10 +143,9 @@ class StepAgreement:
                 return
         self.steps_called = step
 
-    def _report_nonfinite(self, params: list, labels: dict) -> None:
-        """Raise (nonfinite="raise") or count and log a skipped step, naming this rank's bad params."""
-        local_bad = [labels[p] for p in params
-                     if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
+    def _report_nonfinite(self, local_bad: list[str]) -> None:
+        """Raise (nonfinite="raise") or count and log a skipped step, naming this rank's bad params
+        (`local_bad`, their labels: a NaN/inf or an overflowing norm; none: another rank's)."""
         where = f"this rank's params {', '.join(local_bad[:5])}" if local_bad else "another rank"
         if self.nonfinite == "raise":
             raise FloatingPointError(f"non-finite gradient (NaN/inf) in {where}; no state was changed "
