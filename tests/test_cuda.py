@@ -3,7 +3,7 @@
 Pinned here, on the GPU: Newton–Schulz in bf16 (the CUDA default) close to the float64
 reference; Dion (Householder and randomized Cholesky-QR) against the float64 reference;
 Sign-Muon moves every entry by exactly lr; fp32 state for bf16 params; compiled Newton–Schulz
-equal to eager; every state tensor stays on the parameter's device.
+equal to eager; every state tensor stays on the parameter's device; the tie coins are the CPU's bits.
 """
 
 import pytest
@@ -67,3 +67,13 @@ def test_compiled_newton_schulz_on_cuda_equals_eager():
     compiled = shardopt.polar(G, 5, compile=True)
     assert "failed" not in __import__("sys").modules["shardopt.algorithms.polar"]._compiled
     assert ((compiled.float() - eager.float()).norm() / eager.float().norm()).item() <= 5e-2
+
+
+def test_tie_coins_on_cuda_are_the_same_bits_as_on_the_cpu_and_the_reference():
+    """The coins are integer hashes (docs/design.md §2), not a device generator: the same on any device."""
+    from shardopt.wire.vote import tie_coins
+    for seed, start, n in ((0, 0, 1 << 20), (2**63 - 1, 8 * 12345, 4099)):
+        on_cuda = tie_coins(seed, start, n, CUDA)
+        assert on_cuda.device.type == "cuda"
+        assert torch.equal(on_cuda.cpu(), tie_coins(seed, start, n, torch.device("cpu")))
+        assert torch.equal(on_cuda.cpu().long(), reference.coins(seed, n, start))

@@ -32,15 +32,17 @@ logger = logging.getLogger("shardopt")
 def check_ranks_agree(labeled_params, groups: list[dict], settings: dict, axes, timeout_s: float) -> None:
     """Every rank of each axis must hold the same parameters (shapes, dtypes, placements) and
     settings (`settings`: name → int); otherwise the first collective of a step would hang. One
-    small all-gather per axis; ValueError on every rank naming what differs."""
+    small all-gather per axis, on the params' device; ValueError on every rank naming what differs
+    (or, on NCCL, two ranks on one GPU: comm.Axis.agree)."""
     description = [f"{label}|{tuple(p.shape)}|{p.dtype}|{getattr(p, 'placements', None)}" for p, label in labeled_params]
     group_settings = [repr(sorted((k, v) for k, v in g.items() if k not in ("params", "lr"))) for g in groups]
     fields = {"number of params": len(description),
               "param shapes/dtypes/placements": zlib.crc32("\n".join(description).encode()),
               "group settings": zlib.crc32("\n".join(group_settings).encode()), **settings}
     shown_values = ("number of params", *settings)
+    device = next((local(p).device for p, _ in labeled_params), None)   # where the exchange goes (NCCL: the GPU)
     for axis in axes:
-        per_rank = axis.agree(list(fields.values()), timeout_s)
+        per_rank = axis.agree(list(fields.values()), timeout_s, device)
         for position, field in enumerate(fields):
             values = [row[position] for row in per_rank]
             if len(set(values)) > 1:

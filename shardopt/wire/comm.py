@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..internals import group_timeout
+
+from .devices import agreement_failure, check_distinct_devices, collective_device, host_device_key
 
 AXIS_NAMES = ("replicate", "shard", "tensor", "node")   # node: the ranks of a node under the DeepSpeed plugin's ZeRO 1/2
 # renamed in torch 2.13 (the old names warn there); torch ≥ 2.6 has the old ones only
@@ -148,6 +151,7 @@ class Axis:
             raise ValueError(f"axis name must be one of {AXIS_NAMES}, got {name!r}")
         self.name = name
         self.group, self.size, self.rank = resolve_group(mesh, name)
+        self.device = None   # this rank's params' device, once `agree` has run: where `private` exchanges
         self.reset_stats()
 
     def __deepcopy__(self, memo) -> "Axis":
@@ -170,22 +174,34 @@ class Axis:
         collectives would interleave differently on different ranks and pair up wrongly.
 
         A collective over the whole world (every rank calls it, in the same order as its other group
-        creations, as for torch's new_group): the ranks learn every rank's group (all_gather_object) and
+        creations, as for torch's new_group): the ranks learn every rank's group (`_world_groups`) and
         make them all with new_subgroups_by_enumeration, whose group names every rank agrees on. (A group
         made by its own ranks only, use_local_synchronization=True, is named from how many groups each
         rank holds: ranks holding different numbers, e.g. after a group of some ranks only, would wait
         for each other under different names.)"""
         if self.size == 1:
             return Axis(self.name)
-        groups: list = [None] * dist.get_world_size()
-        dist.all_gather_object(groups, dist.get_process_group_ranks(self.group))
-        distinct = sorted(set(map(tuple, groups)))
+        distinct = sorted(set(self._world_groups()))
         ranks = {rank for group in distinct for rank in group}
         if len(ranks) != sum(map(len, distinct)):
             raise ValueError(f"the {self.name} axis: the ranks' groups {distinct} overlap; a private copy needs "
                              f"the {self.name} groups of the world to be disjoint (one mesh dimension)")
         mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in distinct], timeout=group_timeout(self.group))
         return Axis(self.name, mine)
+
+    def _world_groups(self) -> list[tuple[int, ...]]:
+        """Every world rank's group of this axis (global ranks): two all-gathers over the world, of the
+        group sizes and of the rank lists padded to the longest with −1, on `self.device` (the params'
+        device, learned at `agree`; torch's all_gather_object would use torch.cuda.current_device())."""
+        world = dist.get_world_size()
+        device = collective_device(str(dist.get_backend()), self.device, self.name)
+        mine = torch.tensor(dist.get_process_group_ranks(self.group), dtype=torch.int64, device=device)
+        sizes = mine.new_empty((world,))
+        _all_gather(sizes, torch.full((1,), mine.numel(), dtype=torch.int64, device=device))
+        padded = torch.cat([mine, mine.new_full((int(sizes.max()) - mine.numel(),), -1)])
+        everyone = padded.new_empty((world * padded.numel(),))
+        _all_gather(everyone, padded)
+        return [tuple(rank for rank in row if rank >= 0) for row in everyone.view(world, -1).tolist()]
 
     def reset_stats(self) -> None:
         self.bytes_sent = 0
@@ -289,25 +305,31 @@ class Axis:
     def _global_rank(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank)
 
-    def agree(self, values: list[int], timeout_s: float) -> list[list[int]]:
+    def agree(self, values: list[int], timeout_s: float, device: torch.device | None = None) -> list[list[int]]:
         """Every rank's list of ints (same length everywhere), waiting at most `timeout_s`, so a
-        construction-time check raises instead of hanging on a rank that never arrives.
-        Counted as an all-gather."""
+        construction-time check raises instead of hanging on a rank that never arrives. `device`: this
+        rank's params' device, where the exchange happens on a NCCL group (devices.collective_device)
+        and, remembered as `self.device`, where `private` exchanges later. With the values each rank
+        sends its (host, GPU index): two ranks of one host on one GPU of a NCCL group raise ValueError
+        naming torch.cuda.set_device (devices.check_distinct_devices). Counted as an all-gather."""
+        self.device = device
         if self.size == 1:
             return [values]
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(self.group)) \
-            else torch.device("cpu")
-        local_values = torch.tensor(values, dtype=torch.int64, device=device)
+        backend = str(dist.get_backend(self.group))
+        local_values = torch.tensor(values + host_device_key(device), dtype=torch.int64,
+                                    device=collective_device(backend, device, self.name))
         self._count("all_gather", local_values)
-        out = local_values.new_empty((self.size * len(values),))
+        out = local_values.new_empty((self.size * local_values.numel(),))
         try:
             work = _all_gather(out, local_values, group=self.group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as error:
-            raise RuntimeError(f"shardopt: ranks of the {self.name} axis failed or timed out ({timeout_s:g} s) in the "
-                               f"optimizer's construction-time agreement check; every rank must construct the "
-                               f"optimizer with the same parameters ({error})") from error
-        return out.view(self.size, len(values)).tolist()
+            raise RuntimeError(agreement_failure(self.name, timeout_s, error, backend, device,
+                                                 os.environ.get("LOCAL_RANK"))) from error
+        rows = out.view(self.size, -1).tolist()
+        if "nccl" in backend:
+            check_distinct_devices([row[len(values):] for row in rows], self.name)
+        return [row[:len(values)] for row in rows]
 
 
 class CountingAxis(Axis):
