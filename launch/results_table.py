@@ -139,6 +139,15 @@ SOURCES = {
                        "limit): each op's self CPU time in the profiled steps (torch.profiler), summed by category, "
                        "and its share of the profiled optimizer step; step_ms and opt_step_ms are the unprofiled "
                        "steps' medians (the DDP script logs no optimizer time)."),
+    "step_collectives.csv": ("python launch/bench/step_ops.py",
+                             "The collectives of the steps in step_ops.csv: kind, dtype and device of the tensor "
+                             "handed to torch.distributed, calls per step (GPT-2 small, fake process group; on a "
+                             "GPU the device is the params')."),
+    "step_ops.csv": ("python launch/bench/step_ops.py",
+                     "Aten ops dispatched and host syncs (device values read back: .item(), .tolist(), bool(t)) per "
+                     "optimizer step, the second step, rank 0 of M on torch's fake process group, GPT-2 small "
+                     "(Sign-Muon with Lion, Dion 1/4 with AdamW for the non-matrix params; matmuls counted, not "
+                     "computed). On a GPU each op is a kernel launch, each sync a stall."),
     "step_memory.csv": ("python launch/bench/step_memory.py --llama1b",
                         "The RSS high-water mark of one step above the steady state, a fresh process per row, one "
                         "thread."),
