@@ -456,3 +456,19 @@ def test_step_split_puts_each_op_in_one_category_and_sums_them():
                                {"op": "aten::gt", "ms_per_step": "0.5"}])
     assert totals[step_split.CATEGORIES[0]] == 3.5 and totals[step_split.CATEGORIES[4]] == 0.5
     assert sum(totals.values()) == 4.0 and list(totals) == step_split.CATEGORIES
+
+
+def test_step_ops_counts_a_sign_muon_step_whose_ops_do_not_grow_with_the_replicas(tmp_path):
+    """launch/bench/step_ops.py on the demo GPT at 4 and 8 replicas (both "alltoall_1bit"): the same ops per
+    step, one host sync (the agreed non-finite flag), the votes' collectives uint8 on the params' device."""
+    import subprocess
+    out, collectives = tmp_path / "ops.csv", tmp_path / "collectives.csv"
+    subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "step_ops.py"), "--model", "demo", "--replicas", "4",
+                    "8", "--algorithms", "signmuon", "--csv", str(out), "--collectives-csv", str(collectives)],
+                   check=True, capture_output=True, timeout=300)
+    rows = campaign.read_csv(out)
+    assert [row["replicas"] for row in rows] == ["4", "8"]
+    assert rows[0]["aten_ops_per_step"] == rows[1]["aten_ops_per_step"] and int(rows[0]["aten_ops_per_step"]) > 0
+    assert {row["host_syncs_per_step"] for row in rows} == {"1"}
+    votes = [row for row in campaign.read_csv(collectives) if row["collective"] in ("alltoall_base", "allgather_base")]
+    assert votes and {(row["dtype"], row["device"]) for row in votes} == {("uint8", "cpu")}
