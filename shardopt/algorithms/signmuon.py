@@ -153,7 +153,7 @@ def silence_flags(layout: MatrixLayout, numel: int) -> int:
 def step(params, grads, states, *, layout: MatrixLayout, exchange: Vote, axes, seed: int, lr: float,
          weight_decay: float, post_polar: bool, lr_scale: str, polar, **direction_options):
     """One Sign-Muon step on a bucket of same-layout matrices (local tensors, updated in place), the
-    equations of the module docstring; a generator that yields each collective (schedule.overlap)."""
+    equations of the module docstring; a generator that yields each collective (schedule.pipeline)."""
     U = yield from direction(grads, states, layout=layout, axes=axes, polar=polar, **direction_options)
     shape = U.shape
     positive = positive_signs(U).reshape(-1)

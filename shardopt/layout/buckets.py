@@ -4,7 +4,7 @@ A bucket is a run of matrices of one param group with the same layout, dtype and
 device, in parameter order (a 2-D param is one matrix; a 3-D expert stack and a
 `split` param are several, shardopt/layout/matrices.py). Its working copy — k stacked local matrices in the
 compute dtype (fp32, or fp64 for fp64 params) — is at most `bucket_bytes`, so the
-transient memory of a step is O(bucket_bytes · overlap depth), not O(model). Two
+transient memory of a step is O(bucket_bytes · pipeline depth), not O(model). Two
 exceptions keep the math and the work split intact:
 
 - a single matrix larger than the cap is a bucket of its own;

@@ -3,7 +3,7 @@
 `ShardOptimizer` holds the mesh axes and routes each param group to its algorithm's record
 (registry.py). A step reads: the pre-step agreement (agreement.py) → each group's plan (plan.py:
 buckets of same-layout matrices, or the element-wise group, each with its exchange) → the bucket
-steps, overlapped (schedule.py) → done: each bucket step commits its own params and state.
+steps, pipelined (schedule.py) → done: each bucket step commits its own params and state.
 
 ShardOptimizer's keyword options (Dion and SignMuon take them all):
 
@@ -68,7 +68,7 @@ from ..algorithms.hyperparams import follow_momentum_schedule, normalize_dtype_n
 from ..layout.matrices import param_matrices
 from ..layout.placement import derive_meshes, local, tensor_split
 from .plan import Plans, unit_params, unit_step, units
-from .schedule import complete, overlap
+from .schedule import complete, pipeline
 from .traffic import DOUBLE_AVERAGING_CHECK_EVERY, describe, group_bytes
 
 logger = logging.getLogger("shardopt")
@@ -81,7 +81,7 @@ class ShardOptimizer(torch.optim.Optimizer):
     The keyword options are documented in this module's docstring."""
 
     matrix_algorithm = "dion"
-    overlap_depth = 2   # bucket steps in flight: one bucket's collective overlaps the next one's compute
+    pipeline_depth = 2   # bucket steps in flight: one bucket's collective overlaps the next one's compute
 
     def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, tensor_mesh=None, seed: int = 0,
                  agreement_timeout_s: float = 60.0, nonfinite: str = "skip", max_grad_norm: float = 0.0,
@@ -216,9 +216,9 @@ class ShardOptimizer(torch.optim.Optimizer):
             if not state:
                 state.update(self._new_state(param))
             state["step"] += 1
-        overlap(self._unit_steps(self._units(stepping), local,
-                                 lambda p: {key: local(value) for key, value in self.state[p].items()}),
-                depth=self.overlap_depth)
+        pipeline(self._unit_steps(self._units(stepping), local,
+                                  lambda p: {key: local(value) for key, value in self.state[p].items()}),
+                 depth=self.pipeline_depth)
 
     # ---- the exchange during backward (docs/design.md §12) -------------------------------------
     @property
@@ -329,7 +329,7 @@ class ShardOptimizer(torch.optim.Optimizer):
             stream = torch.cuda.current_stream(self._device()) if self._device().type == "cuda" else None
             self._round = Round([unit_params(plan, unit) for _, _, plan, unit in units_],
                                 self._unit_steps(units_, scratch.param, scratch.state, delivered), scratch, planned,
-                                self._group_settings(), self.overlap_depth, stream, delivered)
+                                self._group_settings(), self.pipeline_depth, stream, delivered)
         return self._round
 
     def _first_planned(self) -> set:

@@ -1,11 +1,11 @@
-"""Overlap communication with compute across buckets.
+"""The bucket-step pipeline: one bucket's collective on the wire while the next bucket computes.
 
 A bucket step is a generator: it computes until it needs a collective, yields
 the `Pending` collective, and is resumed with its result:
 
     P = yield replicate.all_reduce(P, "mean", async_op=True)
 
-`overlap` keeps up to `depth` bucket steps in flight: while one bucket's
+`pipeline` keeps up to `depth` bucket steps in flight: while one bucket's
 collective is on the wire, the next bucket computes up to its own first
 collective. The order in which collectives are issued depends only on the
 bucket order, so it is the same on every rank.
@@ -16,7 +16,7 @@ long as none would block — a step starts once `ready` says its gradients are
 final, a wait is taken once its collective has completed — and stops at the
 first that would; `run()` takes the rest, blocking. When an action happens
 differs from rank to rank; which action comes next never does, so every rank
-issues the same collectives in the same order as `overlap` would.
+issues the same collectives in the same order as `pipeline` would.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..wire.comm import complete  # noqa: F401  (one step run synchronously; her
 
 
 class Schedule:
-    """`overlap`'s actions over `steps` (an iterable of step generators, made lazily: the next one
+    """`pipeline`'s actions over `steps` (an iterable of step generators, made lazily: the next one
     is drawn only when it starts), resumable."""
 
     def __init__(self, steps, depth: int = 2):
@@ -66,7 +66,7 @@ class Schedule:
                 self._advance(step, None)
 
 
-def overlap(steps, depth: int = 2) -> None:
+def pipeline(steps, depth: int = 2) -> None:
     """Run bucket-step generators to completion, at most `depth` in flight."""
     Schedule(steps, depth).run()
 

@@ -24,7 +24,7 @@ from ..algorithms.hyperparams import state_dtype
 from ..layout.placement import derive_meshes, local
 from .plan import group_steps, plan_group
 from ..algorithms.registry import algorithm
-from .schedule import overlap
+from .schedule import pipeline
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -91,7 +91,7 @@ def group_bytes(group: dict, replicas: int, bucket_bytes: int = DEFAULT_BUCKET_B
     states = {param: {**{key: torch.empty(local_shape, dtype=state_dtype(group, param), device="meta")
                          for key, (_, local_shape) in record.state_shapes(param, group).items()},
                       "step": torch.tensor(float(step))} for param in params}
-    overlap(group_steps(record, group, plan, copies.__getitem__, lambda param: _meta(param), states.__getitem__, axes,
+    pipeline(group_steps(record, group, plan, copies.__getitem__, lambda param: _meta(param), states.__getitem__, axes,
                         lambda seed, param: seed))
     return axes.replicate.bytes_sent
 
