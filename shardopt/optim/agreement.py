@@ -24,7 +24,6 @@ from .checks import check_gradients
 from ..wire.comm import Axis
 from .guard import check_not_double_averaged
 from ..layout.placement import local
-from .traffic import double_averaging_checked
 
 logger = logging.getLogger("shardopt")
 
@@ -72,6 +71,12 @@ def agreed_flag(grads: list[torch.Tensor], missing: bool, axes, device) -> tuple
 def gradient_flag(grads: list[torch.Tensor], missing: bool, axes, device) -> int:
     """The flag of `agreed_flag` alone (one all-reduce of one float per axis, one device sync)."""
     return agreed_flag(grads, missing, axes, device)[0]
+
+
+def double_averaging_checked(step: int, every: int) -> bool:
+    """Whether step `step` (1, 2, …) runs the double-averaging check: steps 1, 1+every, 1+2·every, …
+    (never with every = 0)."""
+    return every > 0 and (step - 1) % every == 0
 
 
 class StepDecision(NamedTuple):

@@ -39,12 +39,6 @@ def nonfinite_check_bytes(replicas: int) -> int:
 DOUBLE_AVERAGING_CHECK_EVERY = 1000   # the optimizers' default double_averaging_check_every
 
 
-def double_averaging_checked(step: int, every: int) -> bool:
-    """Whether step `step` (1, 2, …) runs the double-averaging check: steps 1, 1+every, 1+2·every, …
-    (never with every = 0)."""
-    return every > 0 and (step - 1) % every == 0
-
-
 def double_averaging_check_bytes(replicas: int, axis_size: int | None = None) -> int:
     """One double-averaging check, on the replicate axis (`axis_size` None): one all-reduce of
     (h, −h, nonzero) as 3 int64; on another agreement axis of `axis_size` ranks: the verdict, one
