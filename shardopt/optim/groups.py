@@ -63,26 +63,50 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", nonmatrix_alg
     The keywords scalar_algorithm, scalar_options and scalar_names (before 0.3) still work, with a
     DeprecationWarning.
     """
-    for old in deprecated:
-        if old not in DEPRECATED_KEYWORDS:
-            raise TypeError(f"param_groups() got an unexpected keyword argument {old!r}")
-        warnings.warn(f"param_groups({old}=...) is deprecated; use {DEPRECATED_KEYWORDS[old]}=...", DeprecationWarning,
-                      stacklevel=2)
-    nonmatrix_algorithm = deprecated.get("scalar_algorithm", nonmatrix_algorithm)
-    nonmatrix_options = deprecated.get("scalar_options", nonmatrix_options)
-    nonmatrix_names = deprecated.get("scalar_names", nonmatrix_names)
-    nonmatrix_keyword = "scalar_algorithm" if "scalar_algorithm" in deprecated else "nonmatrix_algorithm"
+    nonmatrix_algorithm, nonmatrix_options, nonmatrix_names, nonmatrix_keyword = _current_keywords(
+        deprecated, nonmatrix_algorithm, nonmatrix_options, nonmatrix_names)
     for keyword, value, allowed in (("matrix_algorithm", matrix_algorithm, registry.matrix_algorithms()),
                                     (nonmatrix_keyword, nonmatrix_algorithm, registry.nonmatrix_algorithms())):
         if value not in allowed:
             raise ValueError(f"Invalid {keyword}: {value!r}; allowed: {', '.join(map(repr, allowed))}")
-    modules = dict(model.named_modules())
-    embedding_params = {id(p) for m in model.modules() if isinstance(m, EMBEDDING_TYPES) for p in m.parameters(recurse=False)}
     matrix = {"params": [], "param_names": [], "algorithm": matrix_algorithm, **(matrix_options or {})}
     nonmatrix = {"params": [], "param_names": [], "algorithm": nonmatrix_algorithm, "weight_decay": 0.0,
                  **(nonmatrix_options or {})}
     split_groups = {pattern: {**matrix, "params": [], "param_names": [], "split": split}
                     for pattern, split in (splits or {}).items()}
+    reasons = _sort_params(model, matrix, nonmatrix, split_groups, head_names, nonmatrix_names)
+    unmatched = [pattern for pattern, group in split_groups.items() if not group["params"]]
+    if unmatched:
+        raise ValueError(f"splits {unmatched} match no matrix parameter's name; matrix params: "
+                         f"{', '.join(matrix['param_names'][:8])}{' …' if len(matrix['param_names']) > 8 else ''}")
+    groups = [g for g in (matrix, *split_groups.values(), nonmatrix) if g["params"]]
+    if verbose:
+        print(describe_groups(groups, reasons, replicas))
+    return groups
+
+
+def _current_keywords(deprecated: dict, nonmatrix_algorithm: str, nonmatrix_options: dict | None,
+                      nonmatrix_names) -> tuple:
+    """(nonmatrix_algorithm, nonmatrix_options, nonmatrix_names, the keyword that named the algorithm), each
+    taken from its keyword before 0.3 (DEPRECATED_KEYWORDS) where `deprecated` has it, with a DeprecationWarning
+    at param_groups' caller; TypeError for any other keyword in `deprecated`."""
+    for old in deprecated:
+        if old not in DEPRECATED_KEYWORDS:
+            raise TypeError(f"param_groups() got an unexpected keyword argument {old!r}")
+        warnings.warn(f"param_groups({old}=...) is deprecated; use {DEPRECATED_KEYWORDS[old]}=...", DeprecationWarning,
+                      stacklevel=3)
+    return (deprecated.get("scalar_algorithm", nonmatrix_algorithm), deprecated.get("scalar_options", nonmatrix_options),
+            deprecated.get("scalar_names", nonmatrix_names),
+            "scalar_algorithm" if "scalar_algorithm" in deprecated else "nonmatrix_algorithm")
+
+
+def _sort_params(model: nn.Module, matrix: dict, nonmatrix: dict, split_groups: dict, head_names,
+                 nonmatrix_names) -> dict[str, int]:
+    """Append each param of `model` that requires a gradient, with its name, to `nonmatrix` (`_why_nonmatrix`
+    gives a reason), else to the group of the first pattern of `split_groups` its name contains, else to
+    `matrix`; returns how many params each reason made non-matrix."""
+    modules = dict(model.named_modules())
+    embedding_params = {id(p) for m in model.modules() if isinstance(m, EMBEDDING_TYPES) for p in m.parameters(recurse=False)}
     reasons: dict[str, int] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -95,14 +119,7 @@ def param_groups(model: nn.Module, matrix_algorithm: str = "dion", nonmatrix_alg
         target["param_names"].append(name)
         if reason is not None:
             reasons[reason] = reasons.get(reason, 0) + 1
-    unmatched = [pattern for pattern, group in split_groups.items() if not group["params"]]
-    if unmatched:
-        raise ValueError(f"splits {unmatched} match no matrix parameter's name; matrix params: "
-                         f"{', '.join(matrix['param_names'][:8])}{' …' if len(matrix['param_names']) > 8 else ''}")
-    groups = [g for g in (matrix, *split_groups.values(), nonmatrix) if g["params"]]
-    if verbose:
-        print(describe_groups(groups, reasons, replicas))
-    return groups
+    return reasons
 
 
 def describe_groups(groups: list[dict], reasons: dict | None = None, replicas: int | None = None) -> str:
