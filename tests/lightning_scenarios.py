@@ -105,7 +105,7 @@ class Record(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         ours = trainer.optimizers[0]    # bucket steps begun in backward (overlap_backward)
-        self.started.append(ours._round.started() if ours._round is not None else 0)
+        self.started.append(ours.backward_overlap.started() if ours.backward_overlap is not None else 0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step > len(self.bytes):

@@ -328,7 +328,7 @@ def _overlap_equals_plain(optimizer, gas, precision, inf_at):
                 rows = slice(micro * 8 // gas, (micro + 1) * 8 // gas)
                 engine.backward(_loss(engine, x[rows], y[rows]))
                 if ours.overlap_backward:
-                    started.append(ours._round.started() if ours._round is not None else 0)
+                    started.append(ours.backward_overlap.started() if ours.backward_overlap is not None else 0)
                 engine.step()
     plain, overlapped = (sds.shard_optimizer(engine) for engine in engines)
     same_state = all(torch.equal(a, b) for p, q in zip(plain._slots(), overlapped._slots())

@@ -97,7 +97,7 @@ def _overlap_backward_inside_local_steps():
             engine.backward(_loss(engine, *_batch(step)))
             inner = sds.shard_optimizer(engine).inner
             if inner.overlap_backward:
-                started.append(inner._round.started() if inner._round is not None else 0)
+                started.append(inner.backward_overlap.started() if inner.backward_overlap is not None else 0)
             engine.step()
     return _max_diff(_weights(engines[0].module), _weights(engines[1].module)), started
 

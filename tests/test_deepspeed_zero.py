@@ -347,7 +347,7 @@ def _overlap_at_stage_2(optimizer, precision):
     engine = engines[2]
     for param in engine.module.parameters():
         param.register_post_accumulate_grad_hook(lambda _: started[engine.is_gradient_accumulation_boundary()].append(
-            ours[2]._round.started() if ours[2]._round is not None else 0))
+            ours[2].backward_overlap.started() if ours[2].backward_overlap is not None else 0))
     for engine_ in engines:
         _steps(engine_, 3)
     weights = [[p.detach().clone() for p in engine_.module.parameters()] for engine_ in engines]

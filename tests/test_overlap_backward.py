@@ -103,7 +103,7 @@ def _train(kind, algorithm, nonmatrix, options, overlap, steps=3, micro=1, nan_a
             use_extra = extra_on(rank, step) if extra_on else True
             with accumulate:
                 model(_batch(rank, step, m, nan_at == (rank, step)), use_extra).square().mean().backward()
-            started.append(opt._round.started() if opt._round is not None else 0)
+            started.append(opt.backward_overlap.started() if opt.backward_overlap is not None else 0)
             calls_after_backward.append(_exchange_calls(opt))
         opt.step()
         opt.zero_grad()
@@ -195,7 +195,7 @@ def _nonfinite_state_untouched():
     before = [p.detach().clone() for p in net.parameters()]
     state = {(i, k): v.clone() for i, p in enumerate(net.parameters()) for k, v in opt.state[p].items()}
     model(_batch(rank, 1, nan=rank == 1)).square().mean().backward()
-    started = opt._round.started()
+    started = opt.backward_overlap.started()
     opt.step()
     return {"started": started, "params": all(torch.equal(a, p) for a, p in zip(before, net.parameters())),
             "state": all(torch.equal(v, opt.state[list(net.parameters())[i]][k]) for (i, k), v in state.items()),
@@ -312,4 +312,4 @@ def test_load_state_dict_keeps_one_hook_per_param_and_off_removes_them():
     assert hooks() == [0] * len(list(net.parameters()))
     opt.zero_grad()
     net(_batch(0, 1)).square().mean().backward()
-    assert opt._round is None                   # no work began in this backward
+    assert opt.backward_overlap is None         # no work began in this backward

@@ -61,7 +61,7 @@ def recorder():
         def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
             opt = shardopt_optimizer(optimizer, "")
             self.before = opt.comm_stats()["replicate"]["bytes_sent"]
-            self.started.append(opt._round.started() if opt._round is not None else 0)   # units begun in backward
+            self.started.append(opt.backward_overlap.started() if opt.backward_overlap is not None else 0)   # units begun in backward
             self.grad_hashes.append(int(bit_hash(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))))
 
         def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
@@ -175,7 +175,7 @@ def accelerate_overlap() -> dict:
             with accelerator.accumulate(model):
                 accelerator.backward(model(input_ids=batch, labels=batch).loss)
                 if accelerator.sync_gradients:
-                    started.append(opt._round.started() if opt._round is not None else 0)
+                    started.append(opt.backward_overlap.started() if opt.backward_overlap is not None else 0)
                 prepared.step()
                 prepared.zero_grad()
         runs.append((weights_hash(model), opt, opt.comm_stats()["replicate"]["bytes_sent"], started))

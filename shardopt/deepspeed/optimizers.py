@@ -10,9 +10,45 @@ from ..optim.guard import replicas_equal
 from ..localsteps.fragment import Ownership
 from ..localsteps.optimizer import LocalSteps
 from ..optim.optimizer import Dion, ShardOptimizer, SignMuon
+from ..overlap.backward import BackwardOverlap
 from ..layout.placement import local
 from . import internals
 from .zero import ZeroPartition
+
+
+class EngineBackwardOverlap(BackwardOverlap):
+    """overlap_backward of an optimizer under a DeepSpeed engine (`_EngineSide`)."""
+
+    @classmethod
+    def refusal(cls, optimizer) -> str | None:
+        """The exchange during backward reads each gradient when backward has made it: only where the engine
+        makes no other of it before engine.step() (ZeRO stage 0 without a node mesh or stage 2, no clipping)."""
+        if optimizer.max_grad_norm > 0:
+            return (f"overlap_backward under DeepSpeed needs \"gradient_clipping\": 0 (got {optimizer.max_grad_norm:g}): "
+                    f"the agreed clip factor needs every gradient, known only after backward; remove "
+                    f"overlap_backward from the optimizer params to clip")
+        if optimizer.zero is not None and optimizer.zero.stage != 2:
+            return (f"overlap_backward under DeepSpeed needs ZeRO stage 2, or stage 0 without a \"shardopt\" mesh "
+                    f"(got stage {optimizer.zero.stage} on a node of {optimizer.node.size} ranks): at this stage the "
+                    f"node's gradients are averaged or reduced to their owners in engine.step(), after backward; set "
+                    f"\"zero_optimization\": {{\"stage\": 2}}, or remove overlap_backward from the optimizer params")
+        return super().refusal(optimizer)
+
+    def hook(self, params) -> None:
+        """At ZeRO 2 the gradient this rank steps is the node mean its reduce brings, after the local one's
+        hook, and under fp16/bf16 it is the master copy's, which backward never writes: there the wiring
+        hands the gradients over (wiring.EngineWiring._hand_over); elsewhere the hooks of BackwardOverlap."""
+        optimizer = self.optimizer
+        if (optimizer.zero is None or optimizer.zero.stage != 2) and (optimizer.wiring is None
+                                                                     or optimizer.wiring.wrapper is None):
+            super().hook(params)
+
+    def first_planned(self) -> set:
+        """At ZeRO 1/2 only the slots this rank owns get a gradient, and so step."""
+        planned, zero = super().first_planned(), self.optimizer.zero
+        if zero is None or zero.stage == 0:
+            return planned
+        return {p for slot, p in enumerate(self.optimizer._slots()) if p in planned and zero.owns(slot)}
 
 
 class _EngineSide:
@@ -27,7 +63,7 @@ class _EngineSide:
         once the node means of its owned gradients are back; under fp16/bf16 it reads the master copies'
         gradients made in backward as the wrapper's step makes them). Only at ZeRO stage 0 without a "shardopt"
         mesh or at stage 2, without gradient_clipping: elsewhere the engine changes the gradients after
-        backward (ValueError naming the setting).
+        backward (ValueError naming the setting). Its object: EngineBackwardOverlap.
 
     Global gradient norm (clipping, and engine.get_global_grad_norm() for logging), every step:
         ν = mean over replicas of ‖g_replica‖₂, ‖g_replica‖₂² = Σ over the node's ranks of ‖owned g_node‖²
@@ -37,6 +73,8 @@ class _EngineSide:
     of one float per axis, no host sync. The same path as the optimizer's max_grad_norm (shardopt/optim/clipping.py),
     with the node axis among the split axes at ZeRO 1/2 (`gradient_split_axes`).
     """
+
+    backward_overlap_type = EngineBackwardOverlap
 
     def __init__(self, params, *args, max_grad_norm: float = 0.0, zero_stage: int = 0,
                  reduce_bucket_size: int = 500_000_000, node_mesh=None, overlap_backward: bool = False, **kwargs):
@@ -57,34 +95,6 @@ class _EngineSide:
         self.zero = ZeroPartition([p.shape for p in self._slots()], self.node, zero_stage, costs) \
             if node_mesh is not None else None
         self.overlap_backward = overlap_backward
-
-    def _overlap_refusal(self) -> str | None:
-        """The exchange during backward reads each gradient when backward has made it: only where the engine
-        makes no other of it before engine.step() (ZeRO stage 0 without a node mesh or stage 2, no clipping)."""
-        if self.max_grad_norm > 0:
-            return (f"overlap_backward under DeepSpeed needs \"gradient_clipping\": 0 (got {self.max_grad_norm:g}): "
-                    f"the agreed clip factor needs every gradient, known only after backward; remove "
-                    f"overlap_backward from the optimizer params to clip")
-        if self.zero is not None and self.zero.stage != 2:
-            return (f"overlap_backward under DeepSpeed needs ZeRO stage 2, or stage 0 without a \"shardopt\" mesh "
-                    f"(got stage {self.zero.stage} on a node of {self.node.size} ranks): at this stage the node's "
-                    f"gradients are averaged or reduced to their owners in engine.step(), after backward; set "
-                    f"\"zero_optimization\": {{\"stage\": 2}}, or remove overlap_backward from the optimizer params")
-        return super()._overlap_refusal()
-
-    def _hook_gradients(self, params) -> None:
-        """At ZeRO 2 the gradient this rank steps is the node mean its reduce brings, after the local one's
-        hook, and under fp16/bf16 it is the master copy's, which backward never writes: there the wiring
-        hands the gradients over (wiring.EngineWiring._hand_over); elsewhere the optimizer's own hooks."""
-        if (self.zero is None or self.zero.stage != 2) and (self.wiring is None or self.wiring.wrapper is None):
-            super()._hook_gradients(params)
-
-    def _first_planned(self) -> set:
-        """At ZeRO 1/2 only the slots this rank owns get a gradient, and so step."""
-        planned = super()._first_planned()
-        if self.zero is None or self.zero.stage == 0:
-            return planned
-        return {p for slot, p in enumerate(self._slots()) if p in planned and self.zero.owns(slot)}
 
     def _slots(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]

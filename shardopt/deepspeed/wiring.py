@@ -176,13 +176,14 @@ class EngineWiring:
         master_of = {lp: fp32 for lp, fp32 in self.masters}
 
         def hand_over(param, grad):
-            if not side.overlap_backward or not side._taking_gradients():
+            overlap = side.backward_overlap
+            if overlap is None or not overlap.taking_gradients():
                 return
             if wrapper is None:
-                side._gradient_final(param, grad)
+                overlap.gradient_final(param, grad)
                 return
             master = master_of[param]
-            side._gradient_final(master, grad.to(master.dtype, copy=True).mul_(internals.unscale_factor(wrapper)))
+            overlap.gradient_final(master, grad.to(master.dtype, copy=True).mul_(internals.unscale_factor(wrapper)))
         return hand_over
 
     def _wrap_backward(self, model_params: list[torch.Tensor]) -> None:

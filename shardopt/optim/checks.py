@@ -1,5 +1,5 @@
-"""Input checks that run before any state changes: constructor options, the gradients a step
-receives, the state dict a load receives. Metadata only (types, shapes, dtypes, layouts,
+"""Input checks that run before any state changes: constructor options, the param groups added,
+the gradients a step receives, the state dict a load receives. Metadata only (types, shapes, dtypes, layouts,
 placements): no device sync, no collective. Each error names the parameter or tensor, what was
 given, what is allowed, and the fix.
 """
@@ -13,8 +13,9 @@ import numbers
 import torch
 
 from ..layout.buckets import DEFAULT_BUCKET_BYTES
-from ..algorithms.hyperparams import state_dtype, validate_group
+from ..algorithms.hyperparams import normalize_dtype_names, state_dtype, unknown_algorithm, validate_group
 from ..internals import load_state_dict_pre_hooks
+from ..layout.matrices import param_matrices
 from ..layout.placement import is_dtensor, local
 
 NONFINITE = ("skip", "raise")
@@ -73,6 +74,33 @@ def check_group_keys(group: dict, index: int, defaults: dict) -> None:
                  else repr(key) for key in unknown]
         raise ValueError(f"param group {index} has unknown keys {', '.join(hints)}; known keys: "
                          f"{', '.join(sorted(defaults))}")
+
+
+def param_labels(group: dict, index: int) -> list[str]:
+    """How errors name the params of param group `index`: their "param_names", else their position."""
+    names = group.get("param_names") or [None] * len(group["params"])
+    return [f"{name!r}" if name else f"#{position} of param group {index}" for position, name in enumerate(names)]
+
+
+def check_param_group(group: dict, index: int, explicit_keys: list, defaults: dict, algorithms: dict) -> None:
+    """A param group as torch.optim added it (number `index`), before the optimizer takes it: no unknown key
+    (`defaults`: every registered key), dtype names made strings (in place, hyperparams.normalize_dtype_names),
+    a registered algorithm (algorithms: name → record, registry.ALGORITHMS) whose hyperparameters are valid
+    (explicit_keys: those the caller set, each one the algorithm reads), floating-point params and, in a
+    matrix group, params that are 2-D or 3-D with a `split` that fits. ValueError naming the param (`param_labels`)."""
+    check_group_keys(group, index, defaults)
+    normalize_dtype_names(group)
+    if group["algorithm"] not in algorithms:
+        raise unknown_algorithm(group["algorithm"], index, algorithms.values())
+    record = algorithms[group["algorithm"]]
+    validate_group(group, index, record, algorithms.values(), explicit_keys)
+    for param, label in zip(group["params"], param_labels(group, index)):
+        if not param.dtype.is_floating_point:
+            raise ValueError(f"param {label} ({group['algorithm']!r}) has dtype "
+                             f"{param.dtype}; shardopt optimizes floating-point tensors only (float32, "
+                             f"float64, bfloat16, float16)")
+        if record.matrix:
+            param_matrices(param, group, label)   # 2-D or 3-D, a `split` that fits (ValueError)
 
 
 # ---- step: the gradients ---------------------------------------------------------------------------
@@ -175,6 +203,21 @@ def _check_param_state(param_state, param, group: dict, label: str, record) -> N
                              f"{tuple(local(value).shape)}, but this optimizer keeps it {placed}, local shape "
                              f"{local_shape}; load the optimizer's own state_dict() of this mesh, or change the mesh "
                              f"through torch.distributed.checkpoint (get/set_optimizer_state_dict), which reshards")
+
+
+def load_checked(optimizer, state_dict, load, algorithms: dict) -> None:
+    """optimizer.load_state_dict: `load` (torch.optim's) of the `loadable` state dict, its pre-hooks already
+    run (not again inside `load`), then the matrix groups' state in its `state_dtype` (`keep_state_dtypes`).
+    algorithms: name → record (registry.ALGORITHMS)."""
+    state_dict = loadable(optimizer, state_dict, algorithms)
+    hooks = load_state_dict_pre_hooks(optimizer)
+    held = dict(hooks)
+    hooks.clear()
+    try:
+        load(state_dict)
+    finally:
+        hooks.update(held)
+    keep_state_dtypes(optimizer, state_dict, algorithms)
 
 
 def loadable(optimizer, state_dict, algorithms: dict) -> dict:

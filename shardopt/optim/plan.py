@@ -6,6 +6,10 @@ fallback, a vote format, a mean) for its size at this replica count. An element-
 exchange per dtype. The plan depends on the group's params, its `plan_keys` values and the replica
 count; `Plans` keeps one per group and makes a new one when any of them changes (a scheduler that
 cycles momentum does not re-plan; a new `vote` does).
+
+A step runs the *units* of the plans (a matrix group's buckets, an element-wise group whole) for the params
+that step, in backward order (`Plans.stepping_units`), each unit a step generator (`unit_steps`) that reads
+its params' gradients through `gradient_reader`.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..algorithms import registry
+from ..algorithms.hyperparams import follow_momentum_schedule
 from ..layout.buckets import capped_buckets
 from ..wire.exchange import by_dtype
+from ..wire.seeds import mix_seed
 from ..layout.matrices import ParamMatrix, matrix_seed
 from ..layout.placement import MatrixLayout, local
 
@@ -81,6 +88,29 @@ def unit_params(plan: GroupPlan, unit) -> tuple:
     return tuple(dict.fromkeys(unit.params)) if unit is not None else plan.params
 
 
+def backward_order(units_: list, position) -> list:
+    """`units_` (tuples ending in (group plan, unit)) sorted for backward: the unit whose earliest param
+    comes last in the optimizer's param list first (position(param) → its index there), as DDP fills
+    its buckets in reverse parameter order; ties keep plan order."""
+    return sorted(units_, key=lambda item: -min(position(p) for p in unit_params(*item[-2:])))
+
+
+def gradient_reader(maximize: bool, delivered: dict | None = None):
+    """param → the local gradient a step reads (`delivered[param]` where there is one, else `.grad`): g,
+    or −g (a new tensor) when the group maximizes; zeros where this rank has none (another rank has one,
+    so this rank still joins the bucket's collectives). Each param's is made once per step (a 3-D
+    stack's matrices share it)."""
+    read: dict = {}
+
+    def gradient(param):
+        if param not in read:
+            grad = delivered.get(param, param.grad) if delivered else param.grad
+            grad = local(grad) if grad is not None else torch.zeros_like(local(param))
+            read[param] = -grad if maximize else grad
+        return read[param]
+    return gradient
+
+
 def unit_step(record, group: dict, plan: GroupPlan, unit, local_param, local_grad, local_state, axes, step_seed):
     """The step generator of one unit (`units`) of a planned group. local_param(p), local_grad(p),
     local_state(p): a param's local tensor, the gradient the step reads, its local state (dict of
@@ -107,8 +137,22 @@ def group_steps(record, group: dict, plan: GroupPlan, local_param, local_grad, l
         yield unit_step(record, group, plan, unit, local_param, local_grad, local_state, axes, step_seed)
 
 
+def unit_steps(groups: list[dict], units_: list, read_param, read_state, axes, delivered: dict | None = None):
+    """The step generator of each of `units_` (`Plans.stepping_units` of `groups`), made lazily. read_param /
+    read_state: where a param's tensor and state are read and written (in place, or scratch); the gradients:
+    `gradient_reader`'s, one per group (delivered: gradients handed over before they are `.grad`,
+    round.Round.arrive); axes: where the collectives go; the coins' seed: the unit's base seed mixed with
+    its first param's step count."""
+    readers = {}
+    for index, record, plan, unit in units_:
+        group = groups[index]
+        gradient = readers.setdefault(index, gradient_reader(group["maximize"], delivered))
+        yield unit_step(record, group, plan, unit, read_param, gradient, read_state, axes,
+                        lambda base, first: mix_seed(base, read_state(first)["step"]))
+
+
 class Plans:
-    """One plan per param group (by index), kept while its key holds."""
+    """One plan per param group (by index), kept while its key holds, and a step's units from them."""
 
     def __init__(self):
         self._plans: dict[int, GroupPlan] = {}
@@ -120,5 +164,19 @@ class Plans:
             plan = self._plans[index] = plan_group(record, group, params, replicas, bucket_bytes, param_seed)
         return plan
 
-    def clear(self) -> None:
-        self._plans.clear()
+    def stepping_units(self, groups: list[dict], stepping: set, replicas: int, bucket_bytes: int, param_seed,
+                       position) -> list:
+        """(group index, record, plan, unit) of every unit (`units`) of the groups' plans for the params in
+        `stepping`, in backward order (`backward_order`; position(param): its index in the optimizer's
+        params), the same on every rank; a group under a momentum schedule follows it first
+        (hyperparams.follow_momentum_schedule)."""
+        found = []
+        for index, group in enumerate(groups):
+            params = [p for p in group["params"] if p in stepping]
+            if not params:
+                continue
+            record = registry.algorithm(group["algorithm"], index)
+            follow_momentum_schedule(group, record.momentum)
+            plan = self.get(index, record, group, params, replicas, bucket_bytes, param_seed)
+            found += [(index, record, plan, unit) for unit in units(plan)]
+        return backward_order(found, position)

@@ -8,6 +8,9 @@ computes. So `describe()`, `replicate_bytes_per_step()` and `param_groups(verbos
 bytes that the step sends, by construction: a new branch in a step cannot disagree with them (the
 tests keep one independent formula, tests/reference.py, and compare it with measured comm_stats()).
 
+What a rank did send is counted by its axes (`comm_stats`); with overlap_backward the bucket steps use
+process groups of their own (`exchange_axes`), counted in with the axis they stand for.
+
 The step's other collectives have their formulas beside the code that issues them: once per step
 the non-finite check, AR(4); at step 1 and every N = `double_averaging_check_every` steps after,
 the double-averaging check, AR(24) (3 int64), and AR(2) on each other agreement axis. AR(x) =
@@ -98,6 +101,24 @@ def _phase_bytes(group: dict, replicas: int, bucket_bytes: int, shard: Axis, ten
             for label, step in (phases(group) if phases else (("", 1),))]
 
 
+def replicate_bytes(optimizer, replicas: int | None = None) -> list[int]:
+    """A ShardOptimizer's replicate-axis bytes one rank sends per step, per param group (`group_bytes` on its
+    shard and tensor axes), at `replicas` replicas (default: its replicate axis's size). The non-finite check
+    comes on top once per step, the double-averaging check at its steps."""
+    replicas = optimizer.replicate.size if replicas is None else replicas
+    return [group_bytes(group, replicas, optimizer.bucket_bytes, optimizer.shard, optimizer.tensor)
+            for group in optimizer.param_groups]
+
+
+def describe_optimizer(optimizer, replicas: int | None = None) -> str:
+    """`describe` of a ShardOptimizer's groups, with its settings and axes, at `replicas` replicas (default:
+    its replicate axis's size)."""
+    return describe(optimizer.param_groups, optimizer.replicate.size if replicas is None else replicas,
+                    optimizer.bucket_bytes, clipping=optimizer.max_norm > 0,
+                    double_averaging_check_every=optimizer.double_averaging_check_every, shard=optimizer.shard,
+                    tensor=optimizer.tensor)
+
+
 def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clipping: bool = False,
              double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY, shard: Axis | None = None,
              tensor: Axis | None = None) -> str:
@@ -127,3 +148,23 @@ def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCK
         lines.append(f"shardopt: double-averaging check: +{check:,} B on the replicate axis at step 1 and every "
                      f"{double_averaging_check_every:,} steps after (double_averaging_check_every)")
     return "\n".join(lines)
+
+
+def distinct_axes(axes: Axes, exchange_axes: Axes) -> list[Axis]:
+    """The Axis objects of `axes` and `exchange_axes`, each once."""
+    return list({id(axis): axis for axis in (*axes, *exchange_axes)}.values())
+
+
+def comm_stats(axes: Axes, exchange_axes: Axes) -> dict:
+    """Per axis name: bytes sent/received and calls issued since the last reset, summed over the axis and
+    its counterpart in `exchange_axes` where that is another Axis object."""
+    stats = {axis.name: dict.fromkeys(axis.stats(), 0) for axis in axes}
+    for axis in distinct_axes(axes, exchange_axes):
+        stats[axis.name] = {key: value + axis.stats()[key] for key, value in stats[axis.name].items()}
+    return stats
+
+
+def reset_comm_stats(axes: Axes, exchange_axes: Axes) -> None:
+    """Zero the counts of every Axis object of `axes` and `exchange_axes`."""
+    for axis in distinct_axes(axes, exchange_axes):
+        axis.reset_stats()

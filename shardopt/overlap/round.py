@@ -4,7 +4,7 @@ for them and commits, or discards the lot.
 
 A step's work is a `Round`: the units of every group's plan (plan.py: the buckets of a matrix group,
 the whole of an element-wise group) for the params that stepped at the previous step (at first: those
-with requires_grad), in backward order (`backward_order`). Both are functions of the params and the
+with requires_grad), in backward order (`plan.backward_order`). Both are functions of the params and the
 settings only, so every rank holds the same units in the same order, and `schedule.Schedule` makes
 every rank issue the same collectives in the same order, however the hooks' timing differs.
 
@@ -31,15 +31,7 @@ import contextlib
 import torch
 
 from ..layout.placement import local
-from ..optim.plan import unit_params
 from ..optim.schedule import Schedule
-
-
-def backward_order(units: list, position) -> list:
-    """`units` (tuples ending in (group plan, unit)) sorted for backward: the unit whose earliest param
-    comes last in the optimizer's param list first (position(param) → its index there), as DDP fills
-    its buckets in reverse parameter order; ties keep plan order."""
-    return sorted(units, key=lambda item: -min(position(p) for p in unit_params(*item[-2:])))
 
 
 def gradient_snapshot(grad) -> tuple:
