@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from ..algorithms import registry
 from ..layout.placement import local
-from ..wire.comm import Axis
+from ..wire.comm import Axis, complete
 from ..wire.exchange import MEAN
-from .schedule import complete
 
 
 def average_decoupled_momenta(groups: list[dict], state: dict, replicate: Axis) -> None:

@@ -162,6 +162,7 @@ class BackwardOverlap:
         return self.round
 
     def _group_settings(self) -> list:
+        """Every group's settings but its params, as step() compares them with the round's (Round.stale)."""
         return [repr(sorted((k, v) for k, v in group.items() if k not in ("params", "param_names")))
                 for group in self.optimizer.param_groups]
 
