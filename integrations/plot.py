@@ -8,7 +8,6 @@ shows its train loss. Needs matplotlib (pip install -e '.[train]').
 """
 
 import argparse
-import csv
 from pathlib import Path
 
 import matplotlib
@@ -16,10 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    with (Path(run_dir) / "metrics.csv").open() as f:
-        return list(csv.DictReader(f))
+from integrations.results import read_metrics  # noqa: E402
 
 
 def points(rows: list[dict], x: str, y: str) -> list[tuple[float, float]]:

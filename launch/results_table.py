@@ -17,9 +17,10 @@ that reruns it (SOURCES: the one place that names the benchmark commands).
 """
 
 import argparse
-import csv
 import re
 from pathlib import Path
+
+from integrations.results import read_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 INF = float("inf")
@@ -164,21 +165,6 @@ Every table below is drawn from the CSV under `results/` that heads it, by
 tables); do not edit it by hand. How the benchmarks ran and what they found:
 [benchmarks.md](benchmarks.md).
 """
-
-
-def write_csv(path, rows: list[dict]) -> None:
-    """Write a benchmark's rows (dicts with the same keys) to `path`, creating its folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def read_csv(path: Path) -> list[dict]:
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def human_bytes(count: float) -> str:

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 import results_table  # noqa: E402
+from integrations.results import write_csv  # noqa: E402
 
 
 def _row(method, rate, target_s, step_ms="100.0", counted="1000", wire=""):
@@ -74,7 +75,7 @@ def test_slowlink_summary_has_one_column_per_limited_rate_and_process_count_and_
 
 def test_results_document_refuses_a_csv_it_has_no_command_for(tmp_path):
     path = tmp_path / "new_benchmark.csv"
-    results_table.write_csv(path, [{"method": "m", "value": "1"}])
+    write_csv(path, ["method", "value"], [{"method": "m", "value": "1"}])
     with pytest.raises(SystemExit, match="new_benchmark.csv"):
         results_table.results_document([path])
 

@@ -37,14 +37,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import campaign
 import runs
-
-sys.path.insert(0, str(campaign.ROOT / "integrations"))
-import training  # noqa: E402  (integrations/training.py: the renamed option)
+from integrations import training   # (the renamed option)
 
 BEST_FIELDS = ["method", "lr", "scalar_lr", "seeds", "final_val_loss_mean", "final_val_loss_min", "final_val_loss_max",
                "replicate_bytes_total"]
