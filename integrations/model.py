@@ -1,9 +1,8 @@
 """A small GPT (nanoGPT-style) for the example training scripts: byte-level, pre-norm, no biases.
 
-Shared by integrations/fsdp/train.py and integrations/deepspeed/train.py:
+Shared by integrations/fsdp/train.py, integrations/deepspeed/train.py and launch/bench/:
 
-    import sys, pathlib; sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from model import GPT, GPTConfig
+    from integrations.model import GPT, GPTConfig
 
 The parameter names follow nanoGPT (transformer.wte, transformer.h.<i>.attn.c_attn, lm_head, ...)
 so that shardopt.param_groups(model) puts the four 2-D weights of each block in the matrix group

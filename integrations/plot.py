@@ -8,18 +8,31 @@ shows its train loss. Needs matplotlib (pip install -e '.[train]').
 """
 
 import argparse
-import csv
 from pathlib import Path
 
 import matplotlib
 
-matplotlib.use("Agg")
+matplotlib.use("Agg")   # figures go to files: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+from integrations.results import read_metrics  # noqa: E402
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    with (Path(run_dir) / "metrics.csv").open() as f:
-        return list(csv.DictReader(f))
+
+def panels(rows: int, columns: int, **options):
+    """A figure of rows × columns axes (plt.subplots' figure and axes), for `save`. Every figure of
+    integrations/ and launch/bench/ starts here."""
+    return plt.subplots(rows, columns, **options)
+
+
+def colour(index: int) -> tuple:
+    """The index-th of tab20's 20 colours (a figure of 11 or more methods needs more than the default 10)."""
+    return plt.cm.tab20.colors[index % 20]
+
+
+def save(figure, path: Path) -> None:
+    """`figure` as a PNG at `path` (100 dpi, trimmed to what is drawn), then closed."""
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(figure)
 
 
 def points(rows: list[dict], x: str, y: str) -> list[tuple[float, float]]:
@@ -28,7 +41,7 @@ def points(rows: list[dict], x: str, y: str) -> list[tuple[float, float]]:
 
 def plot_runs(run_dirs, out: Path, title: str = "") -> None:
     """Write the two-panel figure for `run_dirs` (each labelled by its directory name) to `out`."""
-    figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (by_step, by_bytes) = panels(1, 2, figsize=(11, 4))
     for run_dir in run_dirs:
         rows = read_metrics(run_dir)
         name = Path(run_dir).name
@@ -44,8 +57,7 @@ def plot_runs(run_dirs, out: Path, title: str = "") -> None:
     for axes in (by_step, by_bytes):
         axes.legend()
         axes.grid(alpha=0.3)
-    figure.savefig(out, dpi=100, bbox_inches="tight")
-    plt.close(figure)
+    save(figure, out)
 
 
 def main() -> None:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import csv
 import time
 from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
+
+from integrations.results import write_csv
 
 OUTSIDE = "(outside any op)"
 PROFILE_CSV = "optimizer_profile.csv"
@@ -73,8 +74,4 @@ class StepProfile:
                 for op, ms, calls in [*per_step, (OUTSIDE, outside, 0)]]
 
     def write(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, FIELDS)
-            writer.writeheader()
-            writer.writerows(self.rows())
+        write_csv(path, FIELDS, self.rows())

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import data
-from netdev import link_tx_bytes
+from integrations import data
+from integrations.netdev import link_tx_bytes
+from integrations.results import read_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_DEFAULTS = ROOT / "integrations" / "gpt.json"
@@ -172,8 +173,7 @@ class Metrics:
         if write:
             path.parent.mkdir(parents=True, exist_ok=True)
             if resume_step and path.exists():
-                with path.open() as f:
-                    self.rows = [row for row in csv.DictReader(f) if int(row["step"]) <= resume_step]
+                self.rows = [row for row in read_csv(path) if int(row["step"]) <= resume_step]
             with path.open("w", newline="") as f:
                 csv.DictWriter(f, fields).writeheader()
                 csv.DictWriter(f, fields).writerows(self.rows)

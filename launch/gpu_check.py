@@ -32,16 +32,14 @@ from pathlib import Path
 
 import torch
 
+import shardopt   # a bare GPU machine: `PYTHONPATH=. python launch/gpu_check.py` imports this checkout's
+from integrations.results import write_csv
+
+from bench.polar_compile import SHAPES as COMPILE_SHAPES, CompileFailed, measure as measure_compile   # launch/bench/
+from bench.step_memory import LLAMA_1B_LAYER, LLAMA_1B_LAYERS
+from bench.step_time import SHAPES as GPT2_LAYER
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))   # a bare GPU machine may not have the package installed: use this checkout's
-sys.path.insert(1, str(ROOT / "launch" / "bench"))   # the benchmarks whose shapes and timing this reuses
-
-import shardopt  # noqa: E402
-
-from polar_compile import SHAPES as COMPILE_SHAPES, CompileFailed, measure as measure_compile  # noqa: E402
-from step_memory import LLAMA_1B_LAYER, LLAMA_1B_LAYERS  # noqa: E402
-from step_time import SHAPES as GPT2_LAYER  # noqa: E402
-from results_table import write_csv  # noqa: E402
 
 # (step_time.SHAPES is a dict of one GPT-2-small layer's matrices plus a 2048² "square" that is no part of it)
 GPT2_SMALL_LAYER = [shape for name, shape in GPT2_LAYER.items() if name != "square"]
@@ -138,7 +136,7 @@ def main() -> int:
                                 cwd=ROOT, check=False).returncode
         print(f"tests/test_cuda.py: {'passed' if status == 0 else f'FAILED (exit {status})'}")
     rows = step_rows(device, args.rounds, MODELS)
-    write_csv(ROOT / "results" / "gpu_check.csv", rows)
+    write_csv(ROOT / "results" / "gpu_check.csv", list(rows[0]), rows)
     try:
         compile_rows = measure_compile(COMPILE_SHAPES, device, torch.bfloat16, args.rounds)
     except CompileFailed as error:
@@ -148,7 +146,7 @@ def main() -> int:
     for row in compile_rows:
         print(f"compile {row['matrices']:<14}eager {row['eager_ms']} ms, compiled {row['compiled_ms']} ms "
               f"({row['speedup']}×, compile {row['compile_s']} s)")
-    write_csv(ROOT / "results" / "compile_cuda.csv", compile_rows)
+    write_csv(ROOT / "results" / "compile_cuda.csv", list(compile_rows[0]), compile_rows)
     print("wrote results/gpu_check.csv and results/compile_cuda.csv")
     return status
 

@@ -224,8 +224,7 @@ def test_a_campaign_replaces_its_rows_and_keeps_the_others():
 
 
 def test_link_tx_bytes_sums_every_interface_but_loopback(tmp_path):
-    sys.path.insert(0, str(campaign.ROOT / "integrations"))
-    import netdev
+    from integrations import netdev
     dev = tmp_path / "dev"
     dev.write_text("Inter-|   Receive |  Transmit\n face |bytes packets|bytes packets\n"
                    "    lo:  50 1 0 0 0 0 0 0  50 1 0 0 0 0 0 0\n"
@@ -426,8 +425,7 @@ def test_slowlink_catalogue_takes_per_step_and_local_methods_at_the_best_lrs_wit
 
 
 def test_step_profile_sums_the_ops_of_the_profiled_steps_only_and_the_time_outside_them(tmp_path):
-    sys.path.insert(0, str(ROOT / "integrations"))
-    from step_profile import OUTSIDE, StepProfile
+    from integrations.step_profile import OUTSIDE, StepProfile
     profile = StepProfile(first=2, last=3)
     a = torch.randn(64, 64)
     for step in range(1, 6):

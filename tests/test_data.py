@@ -1,7 +1,6 @@
 """The example dataset (integrations/data.py): deterministic byte-level preparation and batches."""
 
 import hashlib
-import importlib.util
 import io
 import json
 import tarfile
@@ -10,10 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("shardopt_example_data", ROOT / "integrations" / "data.py")
-data = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(data)
+from integrations import data
 
 
 def _fake_sdist(path: Path) -> bytes:

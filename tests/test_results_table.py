@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+import markdown_tables  # noqa: E402
 import results_table  # noqa: E402
+from integrations.results import write_csv  # noqa: E402
 
 
 def _row(method, rate, target_s, step_ms="100.0", counted="1000", wire=""):
@@ -23,18 +25,18 @@ def test_localsteps_summary_shows_the_peers_the_bests_and_the_most_compressed_at
                 "time_to_target_10mbit_s": "12.5", "time_to_target_1mbit_s": "not reached"}
     rows = [row("ddp_adamw", "4.6", "1.0"), row("diloco_m0.9_H30", "4.7", "40.0"), row("local_a_H10", "4.5", "400.0"),
             row("local_b_H100", "4.58", "4000.0"), row("local_c_H100", "4.9", "9000.0")]
-    lines = results_table.localsteps_summary(rows).splitlines()[2:]
+    lines = markdown_tables.localsteps_summary(rows).splitlines()[2:]
     assert [line.split(" | ")[1] for line in lines] == ["ddp_adamw", "diloco_m0.9_H30", "local_a_H10", "local_b_H100"]
     assert lines[-1].endswith("| 4,000× | 12 s | not reached |")
     other_mesh = {**row("local_d_H100_M4", "4.1", "9000.0"), "replicas": "4"}      # not the benchmark's 2 × 2
-    assert results_table.localsteps_summary(rows + [other_mesh]) == results_table.localsteps_summary(rows)
+    assert markdown_tables.localsteps_summary(rows + [other_mesh]) == markdown_tables.localsteps_summary(rows)
 
 
 def test_slowlink_table_divides_by_ddp_adamw_at_the_same_rate_and_shows_wire_over_counted():
     rows = [_row("ddp_adamw", "inf", "20.0"), _row("fast", "inf", "10.0", step_ms="150.0"),
             _row("ddp_adamw", "10", "900.0", wire="1010"), _row("fast", "10", "12.0", wire="1100"),
             _row("never", "10", "inf", wire="1000"), _row("slow", "10", "1800.0", wire="1000")]
-    lines = results_table.slowlink_table(rows).splitlines()
+    lines = markdown_tables.slowlink_table(rows).splitlines()
     assert "no limit" in lines[0] and "10 Mbit/s" in lines[0]
     fast = next(line for line in lines if "| fast |" in line)
     assert "10.0 s (1/2.0); 150 ms/step" in fast and "12.0 s (1/75.0)" in fast
@@ -47,18 +49,18 @@ def test_slowlink_table_divides_by_ddp_adamw_at_the_same_rate_and_shows_wire_ove
 def test_grid_table_orders_lrs_lists_seeds_and_marks_the_best_of_the_first_seed():
     rows = [{"method": "m", "lr": lr, "seed": seed, "final_val_loss": loss}
             for lr, seed, loss in [("0.01", "0", "4.9"), ("0.001", "0", "4.5"), ("0.001", "1", "4.4"), ("0.1", "0", "5.0")]]
-    line = results_table.grid_table(rows).splitlines()[2]
+    line = markdown_tables.grid_table(rows).splitlines()[2]
     assert line == "| m | **0.001: 4.5 / 4.4** · 0.01: 4.9 · 0.1: 5.0 |"
     accuracy = [{"method": "c", "lr": lr, "seed": "0", "test_accuracy": a} for lr, a in [("1", "0.8"), ("2", "0.9")]]
-    assert results_table.grid_table(accuracy).splitlines()[2] == "| c | 1: 0.8 · **2: 0.9** |"    # accuracy: the highest
+    assert markdown_tables.grid_table(accuracy).splitlines()[2] == "| c | 1: 0.8 · **2: 0.9** |"    # accuracy: the highest
 
 
 def test_grid_table_and_slowlink_table_show_the_scalar_lr_with_the_lr():
     rows = [{"method": "m", "lr": "0.001", "scalar_lr": scalar, "seed": "0", "final_val_loss": loss}
             for scalar, loss in [("0.03", "4.4"), ("0.003", "4.6")]]
-    table = results_table.grid_table(rows).splitlines()
+    table = markdown_tables.grid_table(rows).splitlines()
     assert "lr (scalar lr)" in table[0] and table[2] == "| m | 0.001 (0.003): 4.6 · **0.001 (0.03): 4.4** |"
-    slow = results_table.slowlink_table([{**_row("ddp_adamw", "inf", "20.0"), "scalar_lr": "0.03"}]).splitlines()
+    slow = markdown_tables.slowlink_table([{**_row("ddp_adamw", "inf", "20.0"), "scalar_lr": "0.03"}]).splitlines()
     assert "| 1 | ddp_adamw | 0.001 (0.03) |" in slow[2]
 
 
@@ -66,7 +68,7 @@ def test_slowlink_summary_has_one_column_per_limited_rate_and_process_count_and_
     rows = [_row("ddp_adamw", "inf", "20.0"), _row("ddp_adamw", "10", "900.0"), _row("fast", "10", "12.0"),
             {**_row("ddp_adamw", "10", "1200.0"), "procs_per_node": "2"}, _row("never", "10", "inf"),
             _row("fast_overlap", "10", "11.0")]
-    lines = results_table.slowlink_summary(rows).splitlines()
+    lines = markdown_tables.slowlink_summary(rows).splitlines()
     assert lines[0] == "| time to ddp_adamw's val loss | 10 Mbit/s, 1 per node | 10 Mbit/s, 2 per node |"
     assert lines[2:] == ["| ddp_adamw | 900.0 s | 1200.0 s |", "| fast | 12.0 s (1/75.0) | – |",
                          "| never | never | – |"]
@@ -74,7 +76,7 @@ def test_slowlink_summary_has_one_column_per_limited_rate_and_process_count_and_
 
 def test_results_document_refuses_a_csv_it_has_no_command_for(tmp_path):
     path = tmp_path / "new_benchmark.csv"
-    results_table.write_csv(path, [{"method": "m", "value": "1"}])
+    write_csv(path, ["method", "value"], [{"method": "m", "value": "1"}])
     with pytest.raises(SystemExit, match="new_benchmark.csv"):
         results_table.results_document([path])
 

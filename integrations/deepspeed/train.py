@@ -26,7 +26,6 @@ nanoGPT-style GPT; integrations/data.py, Shakespeare's plays as bytes — prepar
 """
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -35,11 +34,9 @@ import torch
 import torch.distributed as dist
 
 import shardopt.deepspeed
+from integrations import data
+from integrations.model import GPT, GPTConfig
 from shardopt.wire.comm import collective_bytes
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: model.py, data.py
-import data  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 
 
 def make_model(args) -> GPT:

@@ -15,7 +15,6 @@ Data: integrations/data.py's prepared corpus (its meta.json gives the vocabulary
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -25,10 +24,8 @@ from accelerate.utils import DeepSpeedPlugin, DummyOptim, InitProcessGroupKwargs
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import shardopt.deepspeed
+from integrations import data
 from shardopt.wire.comm import collective_bytes
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: data.py
-import data  # noqa: E402
 
 
 def main():

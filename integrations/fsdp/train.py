@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -53,16 +52,14 @@ try:
 except ImportError as error:
     raise SystemExit(f"train.py needs the 'train' extra ({error}): pip install -e '.[train]'") from error
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # integrations/: model.py, data.py, training.py
-import checkpoint  # noqa: E402  (integrations/fsdp/checkpoint.py, beside this script, as world.py)
-import data  # noqa: E402
-import shardopt  # noqa: E402
-import training  # noqa: E402
-import step_profile  # noqa: E402
-import world  # noqa: E402  (integrations/fsdp/world.py)
-from shardopt.algorithms.polar import SCHEDULES  # noqa: E402
-from shardopt.wire.vote import resolve_vote  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+import shardopt
+from integrations import data, step_profile, training
+from integrations.model import GPT, GPTConfig, parallelize
+from shardopt.algorithms.polar import SCHEDULES
+from shardopt.wire.vote import resolve_vote
+
+import checkpoint  # integrations/fsdp/checkpoint.py and world.py, beside this script
+import world
 
 started = time.perf_counter()
 
@@ -170,7 +167,6 @@ model = GPT(GPTConfig(vocab_size=data.vocab_size(args.data_dir), block_size=args
 # (also when --shard is 1: the parameters are then DTensors all the same, so the optimizer state has
 # one layout at every mesh shape and a checkpoint resumes on a different --replicate × --shard)
 if args.tp > 1:
-    from model import parallelize
     parallelize(model, mesh["tensor"])
 precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None, reduce_dtype=torch.float32)
 for block in model.transformer.h:
@@ -353,7 +349,7 @@ if master and totals["steps"]:
     log(f"done: {args.optimizer} val loss {final_val:.4f}, replicate {summary['replicate_bytes_per_step']:,} B/step, "
         f"wall {summary['wall_s']} s; wrote {metrics.path}")
     try:
-        from plot import plot_runs
+        from integrations.plot import plot_runs
     except ImportError:
         log("plot: matplotlib is not installed, no loss.png (pip install -e '.[train]')")
     else:

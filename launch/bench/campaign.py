@@ -15,13 +15,14 @@
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
+
+from integrations.results import read_csv, write_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "launch" / "bench"
@@ -153,11 +154,6 @@ def _run(commands: list[list[str]], log: Path, timeout_s: float, extra_env: dict
 
 
 # ---- merge: the CSV of a campaign ---------------------------------------------------------
-def read_csv(path: Path) -> list[dict]:
-    with Path(path).open() as f:
-        return list(csv.DictReader(f))
-
-
 def merged(kept: list[dict], new: list[dict], key_fields: tuple[str, ...]) -> list[dict]:
     """kept's rows with new's rows replacing those of the same key (the values of key_fields, as strings);
     new keys appended in new's order. How a campaign updates a committed CSV instead of replacing it."""
@@ -165,19 +161,6 @@ def merged(kept: list[dict], new: list[dict], key_fields: tuple[str, ...]) -> li
         return tuple(str(row[f]) for f in key_fields)
     replaced = {key(r) for r in new}
     return [r for r in kept if key(r) not in replaced] + new
-
-
-def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
-    """Rows with exactly `fields` as columns (a missing or extra key is an error, not a blank)."""
-    for row in rows:
-        if list(row) != fields:
-            raise ValueError(f"row columns {list(row)} differ from the schema {fields}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fields)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import shardopt
+from integrations.model import GPT, GPTConfig
+from integrations.results import write_csv
+from shardopt.optim import traffic
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "integrations"))
-import shardopt  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from campaign import write_csv  # noqa: E402
-from shardopt.optim import traffic  # noqa: E402
 
 REPLICAS = (2, 4, 8, 64)
 MEASURED_MODELS = ("demo GPT (bytes)", "demo GPT (BPE-4096)")

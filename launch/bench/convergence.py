@@ -37,14 +37,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import campaign
 import runs
-
-sys.path.insert(0, str(campaign.ROOT / "integrations"))
-import training  # noqa: E402  (integrations/training.py: the renamed option)
+from integrations import training   # (the renamed option)
 
 BEST_FIELDS = ["method", "lr", "scalar_lr", "seeds", "final_val_loss_mean", "final_val_loss_min", "final_val_loss_max",
                "replicate_bytes_total"]
@@ -87,12 +84,10 @@ def setting(entry: dict) -> tuple[str, str, str]:
 
 def plot(curves: dict, best: list[dict], path: Path) -> None:
     """curves: (method, lr, scalar_lr, seed) → [(step, val loss, bytes so far)]; each best entry at its first seed."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    from integrations.plot import colour, panels, save   # matplotlib (the train extra): only to draw
+    figure, (by_step, by_bytes) = panels(1, 2, figsize=(11, 4))
     for index, entry in enumerate(best):
-        color = plt.cm.tab20.colors[index % 20]                    # 11+ methods: more than the default 10 colours
+        color = colour(index)
         curve = curves[(*setting(entry), min(key[-1] for key in curves if key[:-1] == setting(entry)))]
         label = f"{entry['method']} (lr {entry['lr']}" + (f", scalar {entry['scalar_lr']})" if entry["scalar_lr"] else ")")
         by_step.plot([c[0] for c in curve], [c[1] for c in curve], marker=".", label=label, color=color)
@@ -101,7 +96,7 @@ def plot(curves: dict, best: list[dict], path: Path) -> None:
     by_step.set(xlabel="step", ylabel="val loss", title="val loss vs step (best lr, first seed)")
     by_bytes.set(xlabel="replicate bytes sent by one rank", ylabel="val loss", xscale="log", title="val loss vs bytes")
     by_step.legend(fontsize=7)
-    figure.savefig(path, dpi=100, bbox_inches="tight")
+    save(figure, path)
 
 
 def main() -> None:

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+import shardopt.deepspeed
+from integrations.model import GPT, GPTConfig
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "integrations"))
-import shardopt.deepspeed  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 
 
 def tensor_bytes(tensors) -> int:

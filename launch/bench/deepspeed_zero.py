@@ -20,20 +20,19 @@ Writes results/deepspeed_zero.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+import shardopt.deepspeed
+from integrations.model import GPT, GPTConfig
+from integrations.results import write_csv
+from shardopt.optim.guard import replicas_equal
+from shardopt.wire.comm import Axis
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "integrations"))
-import shardopt.deepspeed  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from shardopt.wire.comm import Axis  # noqa: E402
-from shardopt.optim.guard import replicas_equal  # noqa: E402
 
 OPTIMIZERS = {"Dion": {"lr": 0.02, "rank_fraction": 0.25}, "SignMuon": {"lr": 0.003, "momentum": 0.9}}
 MESH = {"replicate": 2, "shard": 2}
@@ -113,12 +112,9 @@ def main() -> None:
                   f"{row['master_bytes']:>9,} {row['replicate_bytes_per_step']:>9,.0f} {row['replicate_vs_stage0']:>7.2f} "
                   f"{row['shard_bytes_per_step']:>10,.0f} {str(row['identical']):>9}  "
                   f"{row['loss_first']:.3f} → {row['loss_last']:.3f}")
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.csv, "w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows({key: round(value, 4) if isinstance(value, float) else value for key, value in row.items()}
-                             for row in rows)
+        rounded = [{key: round(value, 4) if isinstance(value, float) else value for key, value in row.items()}
+                   for row in rows]
+        write_csv(args.csv, list(rounded[0]), rounded)
         print(f"wrote {args.csv}")
     dist.barrier()
     shardopt.deepspeed.shutdown()

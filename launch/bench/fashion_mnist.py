@@ -37,9 +37,7 @@ import argparse
 import gzip
 import hashlib
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -47,11 +45,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "integrations")]
-import campaign  # noqa: E402
-import data  # noqa: E402
-import peers  # noqa: E402
-import runs  # noqa: E402
+import campaign
+import peers
+import runs
+from integrations import data
 
 PACKAGE, VERSION = "dataset-fashion-mnist", "0.0~git20200523.55506a9-1"
 DEB_NAME = f"{PACKAGE}_{VERSION}_all.deb"

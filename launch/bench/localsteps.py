@@ -223,24 +223,22 @@ def quiet(curve: list | None, step_ms: float | None) -> list | None:
 def plot(rows: list[dict], path: Path) -> None:
     """Val loss vs bytes per token (relative to DDP fp32), each config at its best lr, a panel per horizon
     (the benchmark's mesh: REPLICAS nodes)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from integrations.plot import colour, panels, save   # matplotlib (the train extra): only to draw
     horizons = sorted({int(r["steps"]) for r in rows})
     if not horizons:
         return
-    figure, axes = plt.subplots(len(horizons), 1, figsize=(11, 5 * len(horizons)), squeeze=False)
+    figure, axes = panels(len(horizons), 1, figsize=(11, 5 * len(horizons)), squeeze=False)
     for axis, steps in zip(axes[:, 0], horizons):
         best = best_rows([r for r in rows if int(r["steps"]) == steps and r.get("bytes_per_token_vs_ddp_fp32")
                           and int(r.get("replicas") or REPLICAS) == REPLICAS])
         for index, row in enumerate(best):
             marker = "s" if row["H"] == "0" else "o"
             axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), float(row["final_val_loss"]), marker=marker,
-                         color=plt.cm.tab20.colors[index % 20], label=row["method"])
+                         color=colour(index), label=row["method"])
         axis.set(xscale="log", xlabel="replicate bytes per token / DDP fp32's", ylabel="final val loss",
                  title=f"{steps} steps (best lr each; squares: every step)")
         axis.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # beside the points
-    figure.savefig(path, dpi=100, bbox_inches="tight")
+    save(figure, path)
 
 
 def best_rows(rows: list[dict]) -> list[dict]:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from campaign import write_csv
+from integrations.results import write_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALAR_LRS = {"adamw": (3e-3, 1e-2, 3e-2, 1e-1), "lion": (1e-3, 3e-3, 1e-2, 3e-2)}

@@ -14,7 +14,6 @@ results/overlap_backward.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
@@ -23,7 +22,8 @@ import tempfile
 from pathlib import Path
 
 from campaign import ROOT
-from runs import FSDP_TRAIN, add_model_arguments, methods, model_args
+from integrations.results import write_csv
+from runs import add_model_arguments, methods, model_args
 
 FIELDS = ["method", "overlap_backward", "ranks", "rounds", "step_ms", "opt_step_ms", "step_ratio_on_off"]
 
@@ -62,10 +62,7 @@ def main() -> None:
                          "step_ms": round(step_ms, 1),
                          "opt_step_ms": round(statistics.median(opt for _, opt in times[(method.name, overlap)]), 1),
                          "step_ratio_on_off": round(step_ms / off_step, 3)})
-    with args.csv.open("w", newline="") as file:
-        writer = csv.DictWriter(file, FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.csv, FIELDS, rows)
     print(" | ".join(FIELDS))
     for row in rows:
         print(" | ".join(str(row[field]) for field in FIELDS))

@@ -24,15 +24,10 @@ from pathlib import Path
 
 import torch
 
+from integrations.results import device_name, write_csv
 from shardopt.algorithms.polar import polar
 
-from campaign import write_csv
-
 SHAPES = [(8, 256, 256), (4, 768, 768), (4, 768, 3072)]
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
 
 def _timed(fn, device) -> float:

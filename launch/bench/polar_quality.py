@@ -28,22 +28,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 import shardopt
+from integrations import data
+from integrations.model import GPT, GPTConfig
+from integrations.results import write_csv
+from integrations.training import lr_multiplier
 from shardopt.algorithms.polar import SCHEDULES, polar
 from shardopt.wire.signs import positive_signs
 
-from campaign import ROOT, write_csv
-
-sys.path.insert(0, str(ROOT / "integrations"))
-import data  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from training import lr_multiplier  # noqa: E402
+from campaign import ROOT
 
 FIELDS = ["matrices", "shape", "count", "schedule", "ns_steps", "sign_agreement", "relative_error", "ms_per_call",
           "time_vs_default"]

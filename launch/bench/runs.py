@@ -18,7 +18,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from campaign import BENCH, ROOT, read_csv
+from campaign import BENCH, ROOT
+from integrations.results import read_metrics  # noqa: F401  (the drivers read a run back: summarize(read_metrics(out)))
 from shardopt.algorithms.polar import SCHEDULES
 
 FSDP_TRAIN = ROOT / "integrations" / "fsdp" / "train.py"
@@ -178,10 +179,6 @@ def local_run_dir(root: Path, method: "Method", lr: float, scalar_lr: float | No
 
 
 # ---- reading a run back -----------------------------------------------------------------------
-def read_metrics(out_dir: Path) -> list[dict]:
-    return read_csv(Path(out_dir) / "metrics.csv")
-
-
 @dataclass
 class Summary:
     steps: int

@@ -120,13 +120,11 @@ def row(method: runs.Method, rate: float, procs: int, lr: float, scalar_lr: floa
 def plot(curves: dict, targets: dict, path: Path) -> None:
     """Val loss against training seconds (log scale), one panel per (procs per node, rate); a method
     has one colour in every panel."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from integrations.plot import colour, panels, save   # matplotlib (the train extra): only to draw
     procs_list, rate_list = sorted({key[0] for key in curves}), sorted({key[1] for key in curves})
-    colour = {name: plt.cm.tab20.colors[i % 20] for i, name in enumerate(dict.fromkeys(key[2] for key in curves))}
-    figure, axes = plt.subplots(len(procs_list), len(rate_list), figsize=(5 * len(rate_list), 4 * len(procs_list)),
-                                squeeze=False, layout="constrained")
+    colours = {name: colour(i) for i, name in enumerate(dict.fromkeys(key[2] for key in curves))}
+    figure, axes = panels(len(procs_list), len(rate_list), figsize=(5 * len(rate_list), 4 * len(procs_list)),
+                          squeeze=False, layout="constrained")
     for (i, procs), (j, rate) in itertools.product(enumerate(procs_list), enumerate(rate_list)):
         axis = axes[i][j]
         shown = [(name, curve) for (p, r, name), curve in curves.items() if (p, r) == (procs, rate)]
@@ -134,13 +132,13 @@ def plot(curves: dict, targets: dict, path: Path) -> None:
             axis.set_visible(False)
             continue
         for name, curve in shown:
-            axis.plot([c[1] for c in curve[1:]], [c[2] for c in curve[1:]], marker=".", label=name, color=colour[name])
+            axis.plot([c[1] for c in curve[1:]], [c[2] for c in curve[1:]], marker=".", label=name, color=colours[name])
         if procs in targets:
             axis.axhline(targets[procs], color="gray", linestyle="--", label="target")
         axis.set(xlabel="training seconds", ylabel="val loss", xscale="log",
                  title=f"{'no limit' if math.isinf(rate) else f'{rate:g} Mbit/s'}, {procs} proc/node")
         axis.legend(fontsize=7)
-    figure.savefig(path, dpi=100, bbox_inches="tight")
+    save(figure, path)
 
 
 def row_curve(r: dict, work_dir: Path) -> list | None:

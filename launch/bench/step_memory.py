@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from campaign import write_csv
+from integrations.results import write_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20

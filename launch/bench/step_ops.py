@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 from pathlib import Path
 
 import torch
@@ -42,11 +41,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+import shardopt
+from integrations.model import GPT, GPTConfig
+from integrations.results import write_csv
+
+from campaign import print_table
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "integrations"))
-import shardopt  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from campaign import print_table, write_csv  # noqa: E402
 
 FIELDS = ["algorithm", "model", "replicas", "aten_ops_per_step", "host_syncs_per_step"]
 COLLECTIVE_FIELDS = ["algorithm", "model", "replicas", "collective", "dtype", "device", "calls_per_step"]

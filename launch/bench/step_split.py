@@ -25,12 +25,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from campaign import ROOT, print_table, read_csv, run_local, write_csv
+from campaign import ROOT, print_table, run_local
+from integrations.results import read_csv, read_metrics, write_csv
+from integrations.step_profile import OUTSIDE, PROFILE_CSV
 from runs import (add_model_arguments, add_polar_arguments, methods, model_args, newton_schulz_optimizer, polar_variants,
                   select)
-
-sys.path.insert(0, str(ROOT / "integrations"))
-from step_profile import OUTSIDE, PROFILE_CSV  # noqa: E402
 
 FIELDS = ["method", "step_ms", "opt_step_ms", "category", "ms_per_step", "share"]
 DEFAULT_METHODS = ["ddp_adamw", "signmuon_lion", "signmuon", "dion_1/4"]
@@ -112,7 +111,7 @@ def main() -> None:
             argv = [*method.command(method.lr, None, 0, out_dir, model_args(args), nodes=2, procs_per_node=1),
                     "--profile-optimizer", str(first), str(args.steps)]
             run_local(argv, 2, out_dir / "log.txt", timeout_s=1800)
-            step_ms, opt_step_ms = medians(read_csv(out_dir / "metrics.csv"), first)
+            step_ms, opt_step_ms = medians(read_metrics(out_dir), first)
             profiled = split(read_csv(out_dir / PROFILE_CSV))
             wall = sum(profiled.values())
             for name, ms in profiled.items():

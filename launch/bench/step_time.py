@@ -27,8 +27,7 @@ from pathlib import Path
 import torch
 
 import shardopt
-
-from campaign import write_csv
+from integrations.results import device_name, write_csv
 
 SHAPES = {"attn.qkv": (2304, 768), "attn.proj": (768, 768), "mlp.fc": (3072, 768), "mlp.proj": (768, 3072),
           "square": (2048, 2048)}
@@ -45,12 +44,6 @@ def optimizers(device: torch.device) -> dict:
         "dion rank 1/16": lambda p: shardopt.Dion([p], lr=0.01, rank_fraction=1 / 16),
         f"sign-muon ({ns} Newton–Schulz)": lambda p: shardopt.SignMuon([p], lr=1e-3),
     }
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
 
 
 def state_bytes(optimizer) -> int:

@@ -17,20 +17,15 @@ LOCAL_WORLD_SIZE), so one machine can stand for several nodes (--standalone with
 import argparse
 import contextlib
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "integrations"), str(ROOT / "launch" / "bench")]
-import data  # noqa: E402
-import peers  # noqa: E402
-import step_profile  # noqa: E402
-import training  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+import peers
+from integrations import data, step_profile, training
+from integrations.model import GPT, GPTConfig
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)

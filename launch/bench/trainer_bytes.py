@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from integrations.results import write_csv
+
 ROOT = Path(__file__).resolve().parents[2]
 CSV = ROOT / "results" / "trainers.csv"
 # (framework, the scenarios script in tests/, its results' keys → the layouts named in the docs)
@@ -42,8 +44,6 @@ def figures(framework: str, layout: str, result: dict) -> dict:
 
 def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    sys.path.insert(0, str(ROOT / "launch"))
-    from results_table import write_csv
     from two_processes import run_scenarios
     rows = []
     with tempfile.TemporaryDirectory() as directory:
@@ -57,7 +57,7 @@ def main() -> None:
                     raise SystemExit(f"{framework} {layout}: the two ranks' bytes differ: {row} vs {other}")
                 rows.append(row)
                 print(", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
-    write_csv(CSV, rows)
+    write_csv(CSV, list(rows[0]), rows)
     print(f"trainer_bytes: wrote {CSV.relative_to(ROOT)}")
 
 
