@@ -19,6 +19,6 @@ if [ ! -f "$stamp" ] || [ "$SHARDOPT_ROOT/pyproject.toml" -nt "$stamp" ]; then
     echo "${SHARDOPT_TORCH_SPEC:-torch==2.13.0}" > "$SHARDOPT_CACHE/constraints.txt"
     python -m pip install -q --upgrade pip
     python -m pip install -q -c "$SHARDOPT_CACHE/constraints.txt" "${SHARDOPT_TORCH_SPEC:-torch==2.13.0}"
-    python -m pip install -q -c "$SHARDOPT_CACHE/constraints.txt" -e "$SHARDOPT_ROOT[dev,deepspeed,train,hf,lightning,torchtitan]"
+    python -m pip install -q -c "$SHARDOPT_CACHE/constraints.txt" -e "$SHARDOPT_ROOT[dev,deepspeed,train,hf,lightning,torchtitan,torchft]"
     touch "$stamp"
 fi

@@ -166,6 +166,7 @@ class LocalSteps(torch.optim.Optimizer):
         self.state_dtype, self.state_device = state_dtype, state_device
         self.double_averaging_check = double_averaging_check
         self.replicate = Axis("replicate", replicate_mesh)
+        self.replicate.attach(self, per_step=False)   # torchft: healing (shardopt/torchft)
         self._check_model(model)
         self.other_axes = self._other_axes(replicate_mesh)
         # torch.optim.Optimizer's own attributes, without its param groups (the inner ones serve)
@@ -359,11 +360,12 @@ class LocalSteps(torch.optim.Optimizer):
             return
         if self.overlap:
             return self._overlapped_sync(fragment, params)
-        x = self._pseudo_gradient(params, "outer_params")
+        self.replicate.begin_round()   # torchft: the quorum (shardopt/torchft/axis.py)
+        x = self.replicate.contribution(self._pseudo_gradient(params, "outer_params"))   # torchft: 0 while healing
         self._check_double_averaging(x)
         fmt = self._formats[fragment]
         mean, own, nonfinite = complete(fmt.exchange(x, self.replicate, self._round_seed(fragment, params)))
-        if not self._agreed_discard(nonfinite, params):
+        if self.replicate.end_round(not self._agreed_discard(nonfinite, params)):   # torchft: agreed should_commit
             fmt.commit()
             self._commit(params, mean, x - own if self.format.lossy else None)
         self._reset(params)

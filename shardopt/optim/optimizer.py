@@ -114,6 +114,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         self._reset_overlap_runtime()
         self.overlap_backward = overlap_backward
         self.reset_comm_stats()
+        self.replicate.attach(self, per_step=True)   # torchft: healing, a round per step (shardopt/torchft)
 
     skipped_steps = property(lambda self: self.agreement.skipped_steps)
     steps_called = property(lambda self: self.agreement.steps_called)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import sys
 from typing import NamedTuple
 
 import torch
@@ -133,6 +134,31 @@ class Pending:
 class Axis:
     """One mesh axis with byte accounting. Collectives return new tensors or work in place as documented."""
 
+    def __new__(cls, name: str = "replicate", mesh=None, *args, **kwargs):
+        """torchft: a torchft Manager as the mesh gives a ManagerAxis (shardopt/torchft/axis.py)."""
+        manager_type = getattr(sys.modules.get("torchft.manager"), "Manager", None)
+        if cls is Axis and manager_type is not None and isinstance(mesh, manager_type):
+            from ..torchft.axis import ManagerAxis
+            cls = ManagerAxis
+        return super().__new__(cls)
+
+    # ---- the round protocol (torchft, shardopt/torchft/axis.py): no-ops on a fixed axis ----------
+    contributors = property(lambda self: self.size, doc="replicas whose input a mean averages (torchft: this round's)")
+
+    def attach(self, owner, per_step: bool) -> None:
+        """Called once by the optimizer that holds this axis (torchft: healing, and a round per step)."""
+
+    def begin_round(self) -> None:
+        """Before a replicate exchange (torchft: the quorum)."""
+
+    def contribution(self, x: torch.Tensor) -> torch.Tensor:
+        """What this replica sends for x (torchft: zeros while it heals)."""
+        return x
+
+    def end_round(self, keep: bool) -> bool:
+        """After a replicate exchange: whether to keep its result (torchft: agreed, then should_commit)."""
+        return keep
+
     def __init__(self, name: str, mesh=None):
         if name not in AXIS_NAMES:
             raise ValueError(f"axis name must be one of {AXIS_NAMES}, got {name!r}")
@@ -204,7 +230,7 @@ class Axis:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
         """In place: tensor ← Σ (op="sum"), mean (op="mean", float only) or max over the axis."""
-        finish = (lambda: tensor.div_(self.size)) if op == "mean" else (lambda: tensor)
+        finish = (lambda: tensor.div_(self.contributors)) if op == "mean" else (lambda: tensor)
         if self.size == 1:
             return self._issue(None, lambda: tensor, async_op)
         self._count("all_reduce", tensor)
