@@ -80,7 +80,7 @@ def main():
                       min_replica_size=args.min_replicas, use_async_quorum=False, timeout=timeout,
                       quorum_timeout=datetime.timedelta(seconds=60), connect_timeout=timeout,
                       rank=dist.get_rank(), world_size=dist.get_world_size(), replica_id=f"replica_{args.replica_id}",
-                      lighthouse_addr=args.lighthouse, init_sync=False)
+                      lighthouse_addr=args.lighthouse, init_sync=True)
     model = model_and_params(args.fsdp)
     opt = build(args, model, manager)
     axis = opt.replicate

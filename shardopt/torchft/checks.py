@@ -7,7 +7,7 @@ import sys
 
 def check_manager(manager) -> None:
     """A torchft.Manager with a synchronous quorum (use_async_quorum=False)."""
-    from .internals import uses_async_quorum
+    from .internals import init_sync, uses_async_quorum
     manager_type = getattr(sys.modules.get("torchft.manager"), "Manager", None)
     if manager_type is None or not isinstance(manager, manager_type):
         raise ValueError(f"manager must be a torchft.Manager (pip install 'shardopt[torchft]'; torchft.Manager(pg="
@@ -17,6 +17,10 @@ def check_manager(manager) -> None:
         raise ValueError("the torchft.Manager was built with use_async_quorum=True; shardopt needs "
                          "use_async_quorum=False, so that a joining replica has healed before the round's "
                          "exchange (it then abstains from it)")
+    if not init_sync(manager):
+        raise ValueError("the torchft.Manager was built with init_sync=False; shardopt needs init_sync=True: with "
+                         "False torchft does not heal a replica group that starts late (at step 0), which would "
+                         "then run with its own step counts and optimizer state")
 
 
 def check_min_replicas(min_replicas: int, groups: int | None) -> None:

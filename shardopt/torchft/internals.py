@@ -10,6 +10,7 @@ PRIVATES = {
     "Manager._pg": "the manager's reconfigurable process group (its collectives carry the exchange)",
     "Manager._use_async_quorum": "must be False: a joining replica heals inside start_quorum, before the exchange",
     "Manager._min_replica_size": "checked against the number of replica groups",
+    "Manager._init_sync": "must be True: with False torchft does not heal a replica that joins at step 0",
 }
 
 
@@ -20,6 +21,10 @@ def manager_process_group(manager):
 
 def uses_async_quorum(manager) -> bool:
     return bool(manager._use_async_quorum)
+
+
+def init_sync(manager) -> bool:
+    return bool(manager._init_sync)
 
 
 def min_replica_size(manager) -> int:
