@@ -34,6 +34,7 @@ def parse():
     p.add_argument("--kill-in-round", type=int, default=-1, help="SIGKILL at this round's 2nd collective")
     p.add_argument("--error-in-round", type=int, default=-1, help="report an error inside this round's exchange")
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--groups", type=int, default=None, help="replica groups a fresh start waits for")
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (a restart must meet a sync)")
     p.add_argument("--out", required=True)
@@ -72,6 +73,9 @@ def param_hash(model) -> str:
 
 
 def main():
+    if os.environ.get("FT_LOG"):
+        import logging
+        logging.basicConfig(level=logging.INFO)
     args = parse()
     timeout = datetime.timedelta(seconds=args.timeout)
     dist.init_process_group("gloo", timeout=timeout)
@@ -92,7 +96,7 @@ def main():
         if rounds == args.error_in_round and call == 2:
             manager.report_error(RuntimeError("injected by the test"))
     axis.fail_hook = hook
-    shardopt.torchft.join(opt)
+    shardopt.torchft.join(opt, replica_groups=args.groups)
     out = open(args.out, "a")
     steps = opt.steps if args.mode == "localsteps" else None
     step = steps if steps is not None else 0
@@ -101,7 +105,8 @@ def main():
         x = torch.randn(32, 16, generator=generator)
         loss = (model(x) - x[:, :8].sin()).pow(2).mean()
         loss.backward()
-        time.sleep(args.step_sleep)
+        short = args.groups and axis.rounds and axis.rounds[-1]["replicas"] < args.groups
+        time.sleep(0.5 if short else args.step_sleep)   # slower while a group is missing: the restart can meet us
         if step == args.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         rounds_before = len(axis.rounds)

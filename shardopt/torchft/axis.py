@@ -96,7 +96,7 @@ class ManagerAxis(Axis):
         contributes = not (joining or self.healed or self.failed)
         self._contributors, self.joiners = self.size, int(joining)
         counts = self.all_reduce(torch.tensor([float(contributes), float(joining)]), "sum")
-        self._contributors, self.joiners = int(counts[0]), int(counts[1])
+        self._contributors, self.joiners, self.failed = _agreed_in_group(int(counts[0]), int(counts[1]), self.failed)
 
     @property
     def join_only(self) -> bool:
@@ -116,7 +116,8 @@ class ManagerAxis(Axis):
 
     def end_round(self, keep: bool) -> bool:
         """Agree on keeping the round over its replicas, then ask the manager (module docstring)."""
-        discard = not keep or self.failed or self.manager.errored() is not None or self._contributors == 0
+        discard = not keep or self.failed or self.manager.errored() is not None or \
+            (self._contributors == 0 and not self.join_only)
         verdict = self.all_reduce(torch.tensor([float(discard)]), "max")
         if self.failed or verdict[0] > 0:
             self.manager.report_error(RuntimeError("shardopt: a replica discarded this round"))
@@ -161,6 +162,18 @@ class ManagerAxis(Axis):
         """Construction-time checks see this replica only: the membership changes, and healing copies
         the state a joining replica needs (heal.py)."""
         return [values]
+
+
+def _agreed_in_group(contributors: int, joiners: int, failed: bool) -> tuple[int, int, bool]:
+    """The round's decisions made alike on every rank of the replica group (its torchrun world, the
+    default process group): each shard rank has a process group of its own across the replicas, and a
+    failure seen on one of them must turn the whole group's round (min of the counts, max of failed)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return contributors, joiners, failed
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    values = torch.tensor([-contributors, -joiners, int(failed)], dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return -int(values[0]), -int(values[1]), bool(values[2])
 
 
 def _issue(process_group, collective, args, kwargs):

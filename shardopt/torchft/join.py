@@ -5,8 +5,8 @@ next sync, not H steps later: `join` opens a round (the quorum waits for the oth
 replica of the quorum is joining, this is a fresh start: nothing is exchanged and the round commits. Else
 the joiner heals in the quorum (heal.py) and takes part in the sync with x = 0 (it abstains), then
 applies the same outer step as everyone: after the round its θ is bitwise the others'. A per-step
-optimizer needs no join: its first step is a round (in which a joining replica heals; that step is
-skipped everywhere, steps.py)."""
+optimizer's join is its first round too: a fresh start commits an empty round, a joiner heals and
+takes part in the others' step with zero gradients, a step that is then skipped everywhere (steps.py)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,35 @@ from .axis import ManagerAxis
 
 
 @torch.no_grad()
-def join(optimizer) -> None:
-    """Open the first round of `optimizer` (a LocalSteps over a torchft manager; else a no-op)."""
+def join(optimizer, replica_groups: int | None = None) -> None:
+    """Open the first round of `optimizer` (a LocalSteps over a torchft manager; else a no-op).
+    `replica_groups`: how many groups a fresh start waits for. A fresh start of fewer (a quorum of joiners
+    only) is discarded and the quorum asked again: two halves that each started alone would both be at
+    step 1, and torchft heals only a replica that is behind."""
     axis = getattr(optimizer, "replicate", None)
-    if not isinstance(axis, ManagerAxis) or axis.keeper is not None:
+    if not isinstance(axis, ManagerAxis):
         return
-    from .checks import check_local_steps
-    check_local_steps(optimizer)
-    optimizer._init_state()
-    axis.begin_round(joining=True)
-    if axis.join_only:
-        axis.end_round(True)
+    if axis.keeper is None:
+        from .checks import check_local_steps
+        check_local_steps(optimizer)
+        optimizer._init_state()
+    while True:
+        axis.begin_round(joining=True)
+        if not axis.join_only:
+            _take_part(optimizer, axis)
+            return
+        if axis.end_round(replica_groups is None or axis.size >= replica_groups):
+            return
+
+
+def _take_part(optimizer, axis) -> None:
+    """The others' round, with nothing of this replica's in it: LocalSteps' sync with x = 0; a per-step
+    optimizer's step on zero gradients, which steps.py discards everywhere (a joiner is in it)."""
+    if axis.keeper is None:
+        optimizer._sync(0, optimizer._fragment_params(0))   # the round's exchange, abstaining; ends the round
         return
-    optimizer._sync(0, optimizer._fragment_params(0))   # the round's exchange, abstaining; ends the round
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()   # the round is open: the pre-hook only takes the snapshot, the post-hook ends it
+    optimizer.zero_grad()
