@@ -125,7 +125,7 @@ class ManagerAxis(Axis):
         self.rounds.append({"replicas": self.size, "contributors": self._contributors,
                             "bytes_sent": self.bytes_sent - self._sent_before, "committed": committed,
                             "seconds": time.monotonic() - self._started, "healed": self.healed,
-                            "join": self.join_only})
+                            "join": self.join_only, "ended_at": time.time()})
         self.open = False
         return committed
 
