@@ -23,13 +23,17 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
 LIGHTHOUSE_PORT=$((29500 + RANDOM % 400))
 PIDS=()
 
-cleanup() { for pid in "${PIDS[@]}"; do kill -9 -- "-$pid" 2>/dev/null || true; done; }
+tree() { local pid=$1 child; echo "$pid"; for child in $(pgrep -P "$pid"); do tree "$child"; done; }
+kill_group() {   # SIGKILL a group: its torchrun and every process under it (workers run in sessions of their own)
+    local pids; pids=$(tree "$1"); kill -STOP $pids 2>/dev/null || true; kill -9 $pids 2>/dev/null || true
+}
+cleanup() { for pid in "${PIDS[@]}"; do kill_group "$pid"; done; }
 trap cleanup EXIT
 
 start_group() {   # start_group RUN INDEX: one torchrun world in its own process group
     local run=$1 i=$2 dir="$OUT/$1/group$2"
     mkdir -p "$dir"
-    setsid torchrun --nnodes 1 --nproc_per_node "$RANKS" --master_port $((LIGHTHOUSE_PORT + 500 + 10 * i + ${3:-0})) \
+    torchrun --nnodes 1 --nproc_per_node "$RANKS" --master_port $((LIGHTHOUSE_PORT + 500 + 10 * i + ${3:-0})) \
         integrations/fsdp/train.py --fault-tolerant --replica-id "$i" --lighthouse "http://localhost:$LIGHTHOUSE_PORT" \
         --min-replicas "$MIN_REPLICAS" --replica-groups "$REPLICA_GROUPS" --local-steps "$H" --outer-exchange "$EXCHANGE" \
         --steps "$STEPS" --out-dir "$dir" --timeout 20 --quorum-timeout 120 "${EXTRA[@]}" >>"$dir/log.txt" 2>&1 &
@@ -50,7 +54,7 @@ run_job() {   # run_job NAME KILL(0/1)
             kill -0 "${PIDS[$KILL_GROUP]}" 2>/dev/null || { echo "group $KILL_GROUP ended before step $at"; break; }
             sleep 0.2
         done
-        kill -9 -- "-${PIDS[$KILL_GROUP]}" 2>/dev/null || true
+        kill_group "${PIDS[$KILL_GROUP]}"
         echo "{\"killed_at_step\": $at, \"killed_at\": $(date +%s.%N), \"started\": $started}" >"$OUT/$run/kill.json"
         echo "killed group $KILL_GROUP at step $at; restarting it"
         sleep 2
@@ -61,7 +65,7 @@ run_job() {   # run_job NAME KILL(0/1)
         [ "$i" = "$KILL_GROUP" ] || wait "${PIDS[$i]}" || echo "group $i exited with $?"
     done
     for ((t = 0; t < 300; t++)); do kill -0 "${PIDS[$KILL_GROUP]}" 2>/dev/null || break; sleep 0.2; done
-    kill -9 -- "-${PIDS[$KILL_GROUP]}" 2>/dev/null && echo "group $KILL_GROUP stopped: the others had finished" || true
+    kill -0 "${PIDS[$KILL_GROUP]}" 2>/dev/null && kill_group "${PIDS[$KILL_GROUP]}" && echo "group $KILL_GROUP stopped: the others had finished" || true
     kill "$lighthouse" 2>/dev/null || true
 }
 

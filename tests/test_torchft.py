@@ -76,14 +76,21 @@ def done(records, replica):
     return [r for r in records if r.get("done") and r["replica"] == replica]
 
 
-def test_local_steps_kill_mid_round_restart_heals_and_rejoins(tmp_path):
-    common = ["--steps", "48", "--sync-every", "4", "--step-sleep", "0.12", "--timeout", "5"]
-    records, restarts, codes = run_groups(tmp_path, 3, common=common, per_group={1: ["--kill-at-step", "6"]},
-                                          restart=1)
-    assert restarts == 1 and all(c == [0] for c in codes.values()), codes
+def kill_restart_heal(tmp_path, groups, common, kill_step, ranks=1, min_replicas=2):
+    """Group 1 is SIGKILLed at `kill_step` and restarted: it heals once (every rank), everyone ends with exit
+    code 0, and the replicas are bitwise equal after every committed round. Returns the records."""
+    records, restarts, codes = run_groups(tmp_path, groups, ranks=ranks, common=common, min_replicas=min_replicas,
+                                          per_group={1: ["--kill-at-step", str(kill_step)]}, restart=1)
+    assert restarts == 1 and all(c == [0] * ranks for c in codes.values()), codes
     assert_bitwise_equal_after_committed_rounds(records)
     healed = done(records, 1)
-    assert healed and healed[0]["heals"] == 1 and healed[0]["heal_bytes_received"] > 0
+    assert len(healed) == ranks and all(d["heals"] == 1 and d["heal_bytes_received"] > 0 for d in healed)
+    return records
+
+
+def test_local_steps_kill_mid_round_restart_heals_and_rejoins(tmp_path):
+    common = ["--steps", "48", "--sync-every", "4", "--step-sleep", "0.12", "--timeout", "5"]
+    records = kill_restart_heal(tmp_path, 3, common, kill_step=6)
     for survivor in (0, 2):   # survivors never restarted and finished every step
         assert done(records, survivor) and max(r["step"] for r in records if r.get("replica") == survivor and
                                                "step" in r) == 48
@@ -111,22 +118,14 @@ def test_kill_inside_exchange_and_injected_error_roll_back_everywhere(tmp_path):
 
 def test_fsdp_groups_of_two_ranks_kill_and_heal(tmp_path):
     common = ["--steps", "40", "--sync-every", "4", "--step-sleep", "0.15", "--timeout", "5", "--fsdp"]
-    records, restarts, codes = run_groups(tmp_path, 2, ranks=2, common=common, min_replicas=1,
-                                          per_group={1: ["--kill-at-step", "5"]}, restart=1)
-    assert restarts == 1 and all(c == [0, 0] for c in codes.values()), codes
-    assert_bitwise_equal_after_committed_rounds(records)
-    assert done(records, 1) and all(d["heals"] == 1 for d in done(records, 1))
+    records = kill_restart_heal(tmp_path, 2, common, kill_step=5, ranks=2, min_replicas=1)
     final = {(r["rank"], r["hash"]) for r in records if "hash" in r and r["step"] == 40}
     assert len(final) == 2   # per shard rank, one hash across the two groups
 
 
 def test_per_step_sign_muon_kill_and_heal(tmp_path):
     common = ["--mode", "signmuon", "--steps", "40", "--step-sleep", "0.1", "--timeout", "5"]
-    records, restarts, codes = run_groups(tmp_path, 3, common=common, per_group={1: ["--kill-at-step", "5"]},
-                                          restart=1)
-    assert restarts == 1 and all(c == [0] for c in codes.values()), codes
-    assert_bitwise_equal_after_committed_rounds(records)
-    assert done(records, 1)[0]["heals"] == 1
+    kill_restart_heal(tmp_path, 3, common, kill_step=5)
 
 
 # ---- bad input -----------------------------------------------------------------------------------
