@@ -10,17 +10,19 @@ takes part in the others' step with zero gradients, a step that is then skipped 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .axis import ManagerAxis
 
 
 @torch.no_grad()
-def join(optimizer, replica_groups: int | None = None) -> None:
+def join(optimizer, replica_groups: int | None = None, timeout_s: float = 600.0) -> None:
     """Open the first round of `optimizer` (a LocalSteps over a torchft manager; else a no-op).
     `replica_groups`: how many groups a fresh start waits for. A fresh start of fewer (a quorum of joiners
-    only) is discarded and the quorum asked again: two halves that each started alone would both be at
-    step 1, and torchft heals only a replica that is behind."""
+    only) is discarded and the quorum asked again, once a second, for at most `timeout_s`: two halves that
+    each started alone would both be at step 1, and torchft heals only a replica that is behind."""
     axis = getattr(optimizer, "replicate", None)
     if not isinstance(axis, ManagerAxis):
         return
@@ -28,6 +30,7 @@ def join(optimizer, replica_groups: int | None = None) -> None:
         from .checks import check_local_steps
         check_local_steps(optimizer)
         optimizer._init_state()
+    deadline = time.monotonic() + timeout_s
     while True:
         axis.begin_round(joining=True)
         if not axis.join_only:
@@ -35,6 +38,10 @@ def join(optimizer, replica_groups: int | None = None) -> None:
             return
         if axis.end_round(replica_groups is None or axis.size >= replica_groups):
             return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"shardopt.torchft.join: after {timeout_s:g} s only {axis.size} of replica_groups="
+                               f"{replica_groups} groups have started; start the others, or pass the number that runs")
+        time.sleep(1.0)
 
 
 def _take_part(optimizer, axis) -> None:
