@@ -100,8 +100,11 @@ def test_local_steps_kill_mid_round_restart_heals_and_rejoins(tmp_path):
     assert any(r["contributors"] < 3 for r in rounds) and rounds[-1]["M"] == 3   # 3 → fewer (dead or healing) → 3
 
 
-def test_kill_inside_exchange_and_injected_error_roll_back_everywhere(tmp_path):
-    common = ["--steps", "24", "--sync-every", "4", "--timeout", "5", "--exchange", "sign_vote"]
+@pytest.mark.parametrize("exchange", ["sign_vote", pytest.param("mean", marks=pytest.mark.slow),
+                                      pytest.param("int8", marks=pytest.mark.slow),
+                                      pytest.param("lowrank", marks=pytest.mark.slow)])
+def test_kill_inside_exchange_and_injected_error_roll_back_everywhere(tmp_path, exchange):
+    common = ["--steps", "24", "--sync-every", "4", "--timeout", "5", "--exchange", exchange]
     records, _, codes = run_groups(tmp_path, 3, common=common,
                                    per_group={2: ["--kill-in-round", "2"], 0: ["--error-in-round", "4"]})
     assert codes[2] == [-9] and codes[0] == [0] and codes[1] == [0]
@@ -123,9 +126,21 @@ def test_fsdp_groups_of_two_ranks_kill_and_heal(tmp_path):
     assert len(final) == 2   # per shard rank, one hash across the two groups
 
 
-def test_per_step_sign_muon_kill_and_heal(tmp_path):
-    common = ["--mode", "signmuon", "--steps", "40", "--step-sleep", "0.1", "--timeout", "5"]
+@pytest.mark.parametrize("mode", ["signmuon", pytest.param("dion", marks=pytest.mark.slow)])
+def test_per_step_kill_and_heal(tmp_path, mode):
+    common = ["--mode", mode, "--steps", "40", "--step-sleep", "0.1", "--timeout", "5"]
     kill_restart_heal(tmp_path, 3, common, kill_step=5)
+
+
+@pytest.mark.slow
+def test_a_straggler_sits_out_a_round_and_heals_at_the_next(tmp_path):
+    common = ["--steps", "32", "--sync-every", "4", "--step-sleep", "0.1", "--timeout", "5"]
+    records, restarts, codes = run_groups(tmp_path, 3, common=common, per_group={2: ["--stall-at-step", "5"]})
+    assert restarts == 0 and all(c == [0] for c in codes.values()), codes
+    assert_bitwise_equal_after_committed_rounds(records)
+    assert any(r["M"] == 2 and r["committed"] for r in records if r.get("replica") == 0 and "M" in r)
+    assert done(records, 2)[0]["heals"] >= 1   # it fell behind by a round and healed from a live group
+    assert len({r["hash"] for r in records if "hash" in r and r["step"] == 32}) == 1
 
 
 # ---- bad input -----------------------------------------------------------------------------------

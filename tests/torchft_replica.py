@@ -33,6 +33,8 @@ def parse():
     p.add_argument("--kill-at-step", type=int, default=-1)
     p.add_argument("--kill-in-round", type=int, default=-1, help="SIGKILL at this round's 2nd collective")
     p.add_argument("--error-in-round", type=int, default=-1, help="report an error inside this round's exchange")
+    p.add_argument("--stall-at-step", type=int, default=-1, help="sleep --stall-seconds at this step (a straggler)")
+    p.add_argument("--stall-seconds", type=float, default=8.0)
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--groups", type=int, default=None, help="replica groups a fresh start waits for")
     p.add_argument("--timeout", type=float, default=10.0)
@@ -107,6 +109,8 @@ def main():
         loss.backward()
         short = args.groups and axis.rounds and axis.rounds[-1]["replicas"] < args.groups
         time.sleep(0.5 if short else args.step_sleep)   # slower while a group is missing: the restart can meet us
+        if step == args.stall_at_step:
+            time.sleep(args.stall_seconds)
         if step == args.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         rounds_before = len(axis.rounds)
