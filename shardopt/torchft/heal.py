@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout.placement import is_dtensor, local
+from .internals import serves_key
 
 KEY = "shardopt"
 
@@ -85,7 +86,7 @@ class Healing:
     """The manager's state-dict functions for one optimizer (module docstring); counts the bytes."""
 
     def __init__(self, manager, owner, per_step: bool):
-        if KEY in getattr(manager, "_user_state_dicts", {}):
+        if serves_key(manager, KEY):
             raise ValueError("this torchft.Manager already serves a shardopt optimizer; build one manager per "
                              "optimizer (LocalSteps: pass the manager to LocalSteps only, not to its inner optimizer)")
         self.owner, self.per_step = owner, per_step

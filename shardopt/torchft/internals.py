@@ -11,6 +11,7 @@ PRIVATES = {
     "Manager._use_async_quorum": "must be False: a joining replica heals inside start_quorum, before the exchange",
     "Manager._min_replica_size": "checked against the number of replica groups",
     "Manager._init_sync": "must be True: with False torchft does not heal a replica that joins at step 0",
+    "Manager._user_state_dicts": "one shardopt optimizer per manager (register_state_dict_fn asserts on a repeat)",
 }
 
 
@@ -25,6 +26,10 @@ def uses_async_quorum(manager) -> bool:
 
 def init_sync(manager) -> bool:
     return bool(manager._init_sync)
+
+
+def serves_key(manager, key: str) -> bool:
+    return key in getattr(manager, "_user_state_dicts", {})
 
 
 def min_replica_size(manager) -> int:
