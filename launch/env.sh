@@ -20,6 +20,8 @@ if [ "${SHARDOPT_SKIP_INSTALL:-0}" != 1 ] && { [ ! -f "$stamp" ] || [ "$SHARDOPT
     echo "${SHARDOPT_TORCH_SPEC:-torch==2.13.0}" > "$SHARDOPT_CACHE/constraints.txt"
     python -m pip install -q --upgrade pip
     python -m pip install -q -c "$SHARDOPT_CACHE/constraints.txt" "${SHARDOPT_TORCH_SPEC:-torch==2.13.0}"
-    python -m pip install -q -c "$SHARDOPT_CACHE/constraints.txt" -e "$SHARDOPT_ROOT[dev,deepspeed,train,hf,lightning,torchtitan]"
+    python -m pip install -q -c "$SHARDOPT_CACHE/constraints.txt" -e "$SHARDOPT_ROOT[dev,deepspeed,train,hf,lightning,torchtitan,torchft]"
+    # the checkout's examples package (integrations/) importable from every script, not shipped in the wheel
+    echo "$SHARDOPT_ROOT" > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/shardopt-checkout.pth"
     touch "$stamp"
 fi

@@ -58,7 +58,8 @@ from integrations.model import GPT, GPTConfig, parallelize
 from shardopt.algorithms.polar import SCHEDULES
 from shardopt.wire.vote import resolve_vote
 
-import checkpoint  # integrations/fsdp/checkpoint.py and world.py, beside this script
+import checkpoint  # integrations/fsdp/checkpoint.py, fault_tolerant.py and world.py, beside this script
+import fault_tolerant
 import world
 
 started = time.perf_counter()
@@ -125,7 +126,9 @@ parser.add_argument("--outer-rank-fraction", type=float, help="local steps, --ou
                     "min(m, n) of each matrix's pseudo-gradient")
 parser.add_argument("--outer-block", type=int, help="local steps: entries per scale of the int8, int4, sign_vote and "
                     "sign_mean exchanges")
+fault_tolerant.add_arguments(parser)
 args = training.parse_args(parser, training.GPT_DEFAULTS, Path(__file__).with_name("defaults.json"))
+fault_tolerant.check(args, parser)
 args.lr = args.lr_by_optimizer[args.optimizer] if args.lr is None else args.lr
 args.nonmatrix_lr = args.nonmatrix_lr or args.nonmatrix_lr_by_algorithm[args.nonmatrix_algorithm]
 args.out_dir = args.out_dir or Path("runs") / args.optimizer
@@ -160,7 +163,8 @@ def log(message: str) -> None:
 
 
 # ---- data and model: FSDP2 over the shard axis only --------------------------------------------
-batches = training.Batches(args, rank // args.tp, device)   # the tensor-parallel ranks of a shard rank read the same
+batches = training.Batches(args, args.replica_id * world_size + rank // args.tp if args.fault_tolerant else
+                           rank // args.tp, device)   # the tensor-parallel ranks of a shard rank read the same
 torch.manual_seed(args.seed)   # the same initial weights on every rank
 model = GPT(GPTConfig(vocab_size=data.vocab_size(args.data_dir), block_size=args.block_size, n_layer=args.n_layer,
                       n_head=args.n_head, n_embd=args.n_embd)).to(device)
@@ -182,7 +186,8 @@ groups = shardopt.param_groups(model, matrix_algorithm, args.nonmatrix_algorithm
 if args.optimizer in ("signmuon", "muon"):
     groups[0]["ns_coefficients"] = args.ns_coefficients
 # with --local-steps the optimizer has no replicate axis: LocalSteps owns it (below)
-meshes = dict(replicate_mesh=None if args.local_steps else mesh["replicate"], shard_mesh=mesh["shard"], seed=args.seed,
+replicate_mesh = fault_tolerant.manager(args) if args.fault_tolerant else mesh["replicate"]   # torchft: the manager
+meshes = dict(replicate_mesh=None if args.local_steps else replicate_mesh, shard_mesh=mesh["shard"], seed=args.seed,
               max_grad_norm=args.clip, overlap_backward=args.overlap_backward == "on",
               **(dict(tensor_mesh=mesh["tensor"]) if args.tp > 1 else {}))
 if args.optimizer == "dion":
@@ -196,7 +201,7 @@ else:   # the baselines: Muon, or AdamW on the matrices too; both average full-p
     opt = shardopt.ShardOptimizer(groups, dict(lr=args.lr, momentum=args.momentum, ns_steps=args.ns_steps,
                                                weight_decay=args.weight_decay), **meshes)
 if args.local_steps:
-    opt = shardopt.LocalSteps(opt, replicate_mesh=mesh["replicate"], sync_every=args.local_steps,
+    opt = shardopt.LocalSteps(opt, replicate_mesh=replicate_mesh, sync_every=args.local_steps,
                               outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                               exchange=args.outer_exchange, overlap=args.outer_overlap, fragments=args.fragments,
                               rank_fraction=args.outer_rank_fraction, block=args.outer_block, seed=args.seed)
@@ -223,6 +228,8 @@ elif args.resume:
     start_step, path = found
     checkpoint.load(path, model, opt, scheduler, replica)
     log(f"resume: loaded {path} (step {start_step}, lr scheduler at step {scheduler.last_epoch})")
+if args.fault_tolerant:   # meet the other groups; a restarted group heals from a live one and continues
+    start_step = fault_tolerant.join(opt, scheduler, args, log)
 
 # ---- metrics: CSV rows (rank 0), kept up to the resumed step; TensorBoard --------------------
 metrics = training.Metrics(args.out_dir / "metrics.csv", [
@@ -342,6 +349,7 @@ if master and totals["steps"]:
         "step_ms": round(1000 * totals["seconds"] / totals["steps"], 2),
         "opt_step_ms": round(1000 * totals["opt_seconds"] / totals["steps"], 2),
         "wall_s": round(time.perf_counter() - started, 1), "device": device.type,
+        **({"torchft": fault_tolerant.summary(opt)} if args.fault_tolerant else {}),
     }
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if args.summary_csv:

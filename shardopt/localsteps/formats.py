@@ -113,7 +113,7 @@ class Quantized(OuterFormat):
         payload, own = self._encode(blocks_of(torch.nan_to_num(x), self.block, owners), flag, owners)
         received = (yield replicate.all_to_all(payload.reshape(-1), async_op=True)).view(owners, -1)
         decoded, flags = self._decode(received, code_bytes)              # my chunk from every replica
-        owned_mean = decoded.sum(dim=0) / owners
+        owned_mean = decoded.sum(dim=0) / replicate.contributors   # (torchft: a healing replica sent zeros)
         owned_flag = torch.maximum(flags.max(), nonfinite_flag(owned_mean)[0]).reshape(1)
         owned_payload, _ = self._encode(torch.nan_to_num(owned_mean), owned_flag, 1)
         gathered = (yield replicate.all_gather(owned_payload.reshape(-1), async_op=True)).view(owners, -1)
@@ -185,7 +185,7 @@ class SignMean(OuterFormat):
         slots = rows[:, sign_bytes:].contiguous().view(torch.float32)              # (M, blocks + 1)
         positive = unpack_signs(rows[:, :sign_bytes], n)                           # (M, n)
         decoded = torch.where(positive, 1.0, -1.0) * spread_blocks(slots[:, :-FLAG_SLOT], self.block, n)
-        return decoded.sum(dim=0) / replicate.size, own, slots[:, -1].max() > 0
+        return decoded.sum(dim=0) / replicate.contributors, own, slots[:, -1].max() > 0   # (torchft: see Axis)
 
 
 OUTER_FORMATS = {"mean": lambda **_: Mean("mean", torch.float32),

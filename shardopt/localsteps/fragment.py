@@ -132,7 +132,10 @@ class Fragment:
 
     def start(self, step: int) -> None:
         """x = (θ_start − θ) + e over the params; the double-averaging check; the exchange of x begins."""
+        if not self.settings.overlap:
+            self.settings.replicate.begin_round()   # torchft: the round's quorum (shardopt/torchft/axis.py)
         x = torch.cat([self._pseudo_gradient(param).reshape(-1).float() for param in self.params])
+        x = self.settings.replicate.contribution(x)   # torchft: zeros while this replica heals
         self.settings.checks.check_double_averaging(x, step)
         seed = mix_seed(self.settings.seed, int(self.states[self.params[0]].rounds) * self.settings.fragments
                         + self.index)   # the vote's coins of this round of this fragment, equal on every replica
@@ -176,6 +179,8 @@ class Fragment:
     def _keep(self, flight: Flight, mean, own, nonfinite, step: int) -> None:
         """The exchange's end: agree on the discard, keep the format's state (Q) of a kept round, keep the result."""
         discard = self.settings.checks.discard(nonfinite, len(flight.params), step)
+        if not self.settings.overlap:   # torchft: committed only where every replica's should_commit agrees
+            discard = not self.settings.replicate.end_round(not discard)
         if not discard:
             self.format.commit()
         error = flight.x - own if self.format.lossy else None

@@ -23,7 +23,8 @@ import torch
 
 from ..layout.placement import local
 from ..optim.guard import replicas_equal
-from ..wire.comm import Axes, Axis
+from ..wire.comm import Axes
+from ..wire.replicas import replicate_axis
 from ..wire.seeds import mix_seed
 from . import traffic
 from .checks import SyncChecks, check_local_steps, check_model, inner_axes
@@ -89,7 +90,7 @@ class LocalSteps(OptimizerAround):
         self.overlap, self.fragments, self.seed = bool(overlap), fragments, int(seed)
         self.state_dtype, self.state_device = state_dtype, state_device
         self.double_averaging_check, self.ownership = double_averaging_check, ownership
-        self.replicate = Axis("replicate", replicate_mesh)
+        self.replicate = replicate_axis(replicate_mesh, self, per_step=False)   # (torchft: healing)
         check_model(model, self.replicate)
         self.other_axes = inner_axes(inner, self.params(), replicate_mesh)
         self.checks = SyncChecks(self.replicate, self.other_axes, [*self.other_axes, *ownership.axes],

@@ -62,6 +62,7 @@ from .agreement import StepAgreement, check_ranks_agree, gradient_flag
 from .checks import check_options, check_param_group, load_checked, param_labels
 from .clipping import clip_grad_norm_
 from ..wire.comm import Axes, Axis
+from ..wire.replicas import replicate_axis
 from .guard import replicas_equal
 from .replicas import average_decoupled_momenta
 from ..layout.placement import derive_meshes, local, tensor_split
@@ -99,9 +100,9 @@ class ShardOptimizer(torch.optim.Optimizer):
         self._plans = Plans()
         self.backward_overlap: BackwardOverlap | None = None   # the exchange during backward, set below
         super().__init__(params, {**registry.defaults(), **defaults, "maximize": maximize})
-        meshes = derive_meshes(list(self._param_label.items()), replicate_mesh, shard_mesh, tensor_mesh)
-        self.replicate, self.shard, self.tensor = self.axes = Axes(*(Axis(name, mesh) for name, mesh in
-                                                                     zip(Axes._fields, meshes)))
+        replicate, shard, tensor = derive_meshes(list(self._param_label.items()), replicate_mesh, shard_mesh, tensor_mesh)
+        self.replicate, self.shard, self.tensor = self.axes = Axes(   # (torchft: a round per step, healing)
+            replicate_axis(replicate, self, per_step=True), Axis("shard", shard), Axis("tensor", tensor))
         settings = {"seed": self.seed, "bucket_bytes": bucket_bytes, "double_averaging_check_every":
                     double_averaging_check_every, "overlap_backward": int(bool(overlap_backward))}
         check_ranks_agree(self._param_label.items(), self.param_groups, settings, self.axes, agreement_timeout_s)

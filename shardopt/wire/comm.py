@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..internals import group_timeout
+from .rounds import Rounds
 
 from .devices import agreement_failure, check_distinct_devices, collective_device, host_device_key
 
@@ -143,7 +144,7 @@ def complete(step):
         return stop.value
 
 
-class Axis:
+class Axis(Rounds):
     """One mesh axis with byte accounting. Collectives return new tensors or work in place as documented."""
 
     def __init__(self, name: str, mesh=None):
@@ -230,7 +231,7 @@ class Axis:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
         """In place: tensor ← Σ (op="sum"), mean (op="mean", float only) or max over the axis."""
-        finish = (lambda: tensor.div_(self.size)) if op == "mean" else (lambda: tensor)
+        finish = (lambda: tensor.div_(self.contributors)) if op == "mean" else (lambda: tensor)
         if self.size == 1:
             return self._issue(None, lambda: tensor, async_op)
         self._count("all_reduce", tensor)
