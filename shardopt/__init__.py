@@ -1,6 +1,6 @@
 """shardopt: communication-efficient matrix optimizers (Dion, Sign-Muon) for distributed PyTorch."""
 
-__version__ = "0.1.0"
+__version__ = "0.4.0"
 
 from .optim.groups import describe_groups, param_groups
 from .optim.guard import DoubleAveragingError

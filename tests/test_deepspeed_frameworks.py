@@ -35,7 +35,7 @@ import transformers  # noqa: E402,F401
 import shardopt.deepspeed as sds  # noqa: E402
 from docblocks import python_block  # noqa: E402
 from shardopt.wire.comm import collective_bytes  # noqa: E402
-from shardopt.deepspeed.config import plan  # noqa: E402
+from shardopt.deepspeed.config import plugin_setup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
@@ -350,8 +350,8 @@ def test_the_shipped_configs_pass_hf_and_accelerate_config_processing(name, tmp_
     hf_config.trainer_config_process(args)
     hf_config.trainer_config_finalize(args, _model(), num_training_steps=100)
     DeepSpeedPlugin(hf_ds_config=str(path)).deepspeed_config_process(must_match=False)
-    the_plan = plan(hf_config.config)
-    assert the_plan is None if name == "adamw" else the_plan.options.get("vote", "auto") == "auto"
+    setup = plugin_setup(hf_config.config)
+    assert setup is None if name == "adamw" else setup.options.get("vote", "auto") == "auto"
 
 
 @pytest.mark.parametrize("name, documented_lr", [("Dion", 0.02), ("SignMuon", 3e-3)])
@@ -370,8 +370,8 @@ def test_lr_auto_filled_with_training_arguments_default_is_warned_about(name, do
         hf_config.trainer_config_process(args)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            the_plan = plan(hf_config.config)
-        return args.learning_rate, the_plan.options["lr"], [str(w.message) for w in caught if "lr" in str(w.message)]
+            setup = plugin_setup(hf_config.config)
+        return args.learning_rate, setup.options["lr"], [str(w.message) for w in caught if "lr" in str(w.message)]
 
     default_lr, lr, messages = planned()
     assert lr == default_lr and len(messages) == 1, messages

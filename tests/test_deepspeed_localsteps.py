@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")   # the CPU op compile
 
 import shardopt  # noqa: E402
 import shardopt.deepspeed as sds  # noqa: E402
-from shardopt.deepspeed.config import load_config, plan  # noqa: E402
+from shardopt.deepspeed.config import load_config, plugin_setup  # noqa: E402
 from test_deepspeed import SIGNMUON, _batch, _config, _env, _loss, _max_diff, _model, _train, _weights  # noqa: E402
 from workers import WorkerPool  # noqa: E402
 
@@ -192,11 +192,11 @@ def test_a_bad_local_steps_value_is_named_at_initialize(pool):
 ])
 def test_malformed_local_steps_sections_raise_naming_the_key(local_steps, match):
     with pytest.raises(ValueError, match=match):
-        plan(_config("SignMuon", shardopt={"local_steps": local_steps}))
+        plugin_setup(_config("SignMuon", shardopt={"local_steps": local_steps}))
 
 
 def test_the_shipped_local_steps_config_plans_local_steps_around_sign_muon():
-    the_plan = plan(load_config(ROOT / "integrations" / "deepspeed" / "signmuon_local_steps_bf16.json"))
-    assert the_plan.name == "SignMuon" and the_plan.zero_stage == 0
-    assert the_plan.local_steps["sync_every"] == 10 and the_plan.local_steps["exchange"] == "sign_mean"
-    assert "local_steps" not in the_plan.engine_config.get("shardopt", {})   # DeepSpeed never sees the section
+    setup = plugin_setup(load_config(ROOT / "integrations" / "deepspeed" / "signmuon_local_steps_bf16.json"))
+    assert setup.name == "SignMuon" and setup.zero_stage == 0
+    assert setup.local_steps["sync_every"] == 10 and setup.local_steps["exchange"] == "sign_mean"
+    assert "local_steps" not in setup.engine_config.get("shardopt", {})   # DeepSpeed never sees the section

@@ -1,4 +1,4 @@
-"""The algorithms a param group's "algorithm" key can name, by name: one record each (algorithm.py).
+"""The algorithms a param group's "algorithm" key can name, by name: one record each (record.py).
 
 Adding an algorithm is one new file defining its record and one line in ALGORITHMS below (or
 `register(record)` at run time, e.g. from a test or a user's module).

@@ -52,7 +52,7 @@ FSDP2_HINT = ("use shardopt with FSDP2 HSDP instead: fully_shard(model, mesh=mes
 
 
 @dataclass
-class Plan:
+class PluginSetup:
     """What the plugin does for one config: the optimizer class and its keyword arguments, the
     "shardopt" section, the clipping it takes over, the ZeRO stage it runs itself (DeepSpeed is
     given stage 0), the (replicate, shard) mesh (None: every data-parallel rank is a replica) and
@@ -95,8 +95,8 @@ def load_config(source) -> dict:
     raise ValueError(f"DeepSpeed config must be a dict or the path of a JSON file, got {source!r}")
 
 
-def plan(config: dict, model=None, mpu=None, *, fp16_supported=None) -> Plan | None:
-    """The Plan for a config whose "optimizer" type is Dion or SignMuon (None for any other type),
+def plugin_setup(config: dict, model=None, mpu=None, *, fp16_supported=None) -> PluginSetup | None:
+    """The PluginSetup for a config whose "optimizer" type is Dion or SignMuon (None for any other type),
     after every check that needs no process group. `fp16_supported`: a callable, asked only when
     the config enables fp16."""
     optimizer_config = config.get("optimizer") or {}
@@ -117,11 +117,12 @@ def plan(config: dict, model=None, mpu=None, *, fp16_supported=None) -> Plan | N
     engine_config.pop("shardopt", None)
     options = _optimizer_options(cls, optimizer_config.get("params") or {}, name)
     _warn_if_lr_far_outside_tuning(cls.matrix_algorithm, name, {**options, **(section.get("matrix") or {})})
-    return Plan(cls=cls, name=name, options=options, section=section, max_grad_norm=config.get("gradient_clipping", 0.0) or 0.0, zero_stage=stage,
-                reduce_bucket_size=_positive_int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE),
-                                                 "zero_optimization.reduce_bucket_size"),
-                mesh=_mesh(section.get("mesh"), stage), local_steps=_local_steps(section.get("local_steps")),
-                scheduler=config.get("scheduler"), engine_config=engine_config)
+    return PluginSetup(cls=cls, name=name, options=options, section=section,
+                       max_grad_norm=config.get("gradient_clipping", 0.0) or 0.0, zero_stage=stage,
+                       reduce_bucket_size=_positive_int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE),
+                                                        "zero_optimization.reduce_bucket_size"),
+                       mesh=_mesh(section.get("mesh"), stage), local_steps=_local_steps(section.get("local_steps")),
+                       scheduler=config.get("scheduler"), engine_config=engine_config)
 
 
 def _positive_int(value, name: str) -> int:
@@ -283,24 +284,24 @@ def build_param_groups(model, model_parameters, cls, section: dict) -> list:
     return [group for group in groups if group["params"]]
 
 
-def scale_scheduler_lrs(the_plan: Plan, param_groups_of_model) -> None:
+def scale_scheduler_lrs(setup: PluginSetup, param_groups_of_model) -> None:
     """"shardopt": {"scale_scheduler_lr": true}: the absolute-lr scheduler's learning rates (one number each)
     are the first param group's; DeepSpeed is given one per group, lr·(group lr / first group's lr), so
     every group follows the schedule at its own lr (the config then names one lr, as HF Transformers'
     TrainingArguments(learning_rate=...) does). `param_groups_of_model()`: the groups the optimizer will get."""
-    flag = the_plan.section.get("scale_scheduler_lr", False)
+    flag = setup.section.get("scale_scheduler_lr", False)
     if not isinstance(flag, bool):
         raise ValueError(f"\"shardopt\": {{\"scale_scheduler_lr\": ...}} must be true or false, got {flag!r}")
     if not flag:
         return
-    scheduler = the_plan.engine_config.get("scheduler") or {}
+    scheduler = setup.engine_config.get("scheduler") or {}
     if scheduler.get("type") not in ABSOLUTE_LR_SCHEDULERS:
         raise ValueError(f"\"shardopt\": {{\"scale_scheduler_lr\": true}} scales the learning rates of the "
                          f"{', '.join(ABSOLUTE_LR_SCHEDULERS)} schedulers; the config's scheduler is "
                          f"{scheduler.get('type')!r}: remove scale_scheduler_lr")
-    default = inspect.signature(next(c for c in the_plan.cls.__mro__ if c in (Dion, SignMuon, OneBitAdam)).__init__
+    default = inspect.signature(next(c for c in setup.cls.__mro__ if c in (Dion, SignMuon, OneBitAdam)).__init__
                                 ).parameters["lr"].default
-    lrs = [group.get("lr", the_plan.options.get("lr", default)) for group in param_groups_of_model()]
+    lrs = [group.get("lr", setup.options.get("lr", default)) for group in param_groups_of_model()]
     params = scheduler.setdefault("params", {})
     for key in ABSOLUTE_LR_SCHEDULERS[scheduler["type"]]:
         if key not in params:
@@ -309,7 +310,7 @@ def scale_scheduler_lrs(the_plan: Plan, param_groups_of_model) -> None:
             raise ValueError(f"scheduler.params.{key} must be one number with \"scale_scheduler_lr\": true (the "
                              f"first param group's; the others are scaled to their lr), got {params[key]!r}")
         params[key] = [params[key] / lrs[0] * lr for lr in lrs]   # exactly lr where params[key] == lrs[0]
-    the_plan.scheduler = scheduler
+    setup.scheduler = scheduler
 
 
 def check_scheduler(scheduler: dict | None, groups: list[dict]) -> None:

@@ -14,7 +14,8 @@ from ..wire.comm import split_world
 from ..optim.groups import describe_groups
 from ..optim.optimizer import ShardOptimizer
 from . import internals
-from .config import Plan, build_param_groups, check_scheduler, load_config, plan, read_config, scale_scheduler_lrs
+from .config import (PluginSetup, build_param_groups, check_scheduler, load_config, plugin_setup, read_config,
+                     scale_scheduler_lrs)
 from .optimizers import DeepSpeedLocalSteps, engine_side
 from .wiring import EngineWiring
 from .zero import mesh_shape
@@ -29,11 +30,11 @@ def initialize(*args, **kwargs):
     bound = inspect.signature(internals.original_initialize(deepspeed)).bind(*args, **kwargs)
     call = bound.arguments
     config, config_from_args = read_config(call)
-    the_plan = plan(config, call.get("model"), call.get("mpu"), fp16_supported=internals.fp16_supported)
-    if the_plan is None:
+    setup = plugin_setup(config, call.get("model"), call.get("mpu"), fp16_supported=internals.fp16_supported)
+    if setup is None:
         return internals.original_initialize(deepspeed)(*args, **kwargs)
     if call.get("optimizer") is not None:
-        raise ValueError(f"the config asks for the {the_plan.name} optimizer and an optimizer was passed too; "
+        raise ValueError(f"the config asks for the {setup.name} optimizer and an optimizer was passed too; "
                          f"give one: drop the config's \"optimizer\" section or the optimizer argument")
     if call.get("model") is None:
         raise ValueError("shardopt.deepspeed.initialize needs model=... to build the param groups")
@@ -42,16 +43,16 @@ def initialize(*args, **kwargs):
     given = call.get("model_parameters") is not None
     if given:
         call["model_parameters"] = list(call["model_parameters"])   # read twice: the scheduler's lrs, the optimizer
-    scale_scheduler_lrs(the_plan, lambda: build_param_groups(call["model"], call.get("model_parameters"), the_plan.cls,
-                                                             the_plan.section))
+    scale_scheduler_lrs(setup, lambda: build_param_groups(call["model"], call.get("model_parameters"), setup.cls,
+                                                             setup.section))
 
     def build(model_parameters):    # called by the engine once the model is cast and on its device
-        built.append(_build(the_plan, call["model"], model_parameters if given else None,
+        built.append(_build(setup, call["model"], model_parameters if given else None,
                             check_lr_scheduler=call.get("lr_scheduler") is None))
         return built[0]
 
     call["optimizer"] = build
-    call["config"] = the_plan.engine_config
+    call["config"] = setup.engine_config
     call.pop("config_params", None)
     if config_from_args:
         call["args"] = copy.copy(call["args"])
@@ -67,14 +68,14 @@ def engine_config(config) -> dict:
     with ZeRO stage 0 (shardopt runs stages 1/2 itself), gradient_clipping 0 (the optimizer clips,
     agreed over the replicas) and without the "optimizer" and "shardopt" sections. No process group needed."""
     internals.load()
-    the_plan = plan(load_config(config), fp16_supported=internals.fp16_supported)
-    if the_plan is None:
+    setup = plugin_setup(load_config(config), fp16_supported=internals.fp16_supported)
+    if setup is None:
         raise ValueError("the config's \"optimizer\" type must be \"Dion\" or \"SignMuon\" for shardopt")
-    if the_plan.section.get("scale_scheduler_lr"):
+    if setup.section.get("scale_scheduler_lr"):
         raise ValueError("\"shardopt\": {\"scale_scheduler_lr\": true} needs the model's param groups, which "
                          "engine_config(config) does not see: call shardopt.deepspeed.register() and give DeepSpeed the "
                          "full config (or use shardopt.deepspeed.initialize), or give the scheduler's lrs as lists")
-    return the_plan.engine_config
+    return setup.engine_config
 
 
 def client_optimizer(model, config, model_parameters=None) -> ShardOptimizer | DeepSpeedLocalSteps:
@@ -87,10 +88,10 @@ def client_optimizer(model, config, model_parameters=None) -> ShardOptimizer | D
     deepspeed = internals.load()
     if not deepspeed.comm.is_initialized():
         deepspeed.init_distributed()
-    the_plan = plan(load_config(config), model, fp16_supported=internals.fp16_supported)
-    if the_plan is None:
+    setup = plugin_setup(load_config(config), model, fp16_supported=internals.fp16_supported)
+    if setup is None:
         raise ValueError("the config's \"optimizer\" type must be \"Dion\" or \"SignMuon\" for shardopt")
-    return _build(the_plan, model, model_parameters, check_lr_scheduler=True)
+    return _build(setup, model, model_parameters, check_lr_scheduler=True)
 
 
 def attach(engine) -> ShardOptimizer | DeepSpeedLocalSteps:
@@ -162,21 +163,21 @@ def _check_accelerate_counts_every_rank() -> None:
                            f"(not Accelerator(cpu=True), which leaves DeepSpeed out) (see docs/trainers.md)")
 
 
-def _build(the_plan: Plan, model, model_parameters, check_lr_scheduler: bool) -> ShardOptimizer | DeepSpeedLocalSteps:
-    """The optimizer on the plan's mesh: the replicate group (DeepSpeed's data-parallel group when
+def _build(setup: PluginSetup, model, model_parameters, check_lr_scheduler: bool) -> ShardOptimizer | DeepSpeedLocalSteps:
+    """The optimizer on the setup's mesh: the replicate group (DeepSpeed's data-parallel group when
     there is no mesh) and, with a mesh, this rank's node group. With "local_steps" the Dion / Sign-Muon
     has no replicate axis and a DeepSpeedLocalSteps over the replicate group wraps it."""
     from deepspeed.utils import groups as deepspeed_groups
-    groups = build_param_groups(model, model_parameters, the_plan.cls, the_plan.section)
-    mesh = mesh_shape(the_plan.mesh, the_plan.zero_stage, torch.distributed.get_world_size())
+    groups = build_param_groups(model, model_parameters, setup.cls, setup.section)
+    mesh = mesh_shape(setup.mesh, setup.zero_stage, torch.distributed.get_world_size())
     replicate, node = split_world(*mesh) if mesh else (deepspeed_groups._get_data_parallel_group(), None)
-    optimizer = the_plan.cls(groups, **the_plan.options, max_grad_norm=the_plan.max_grad_norm,
-                             zero_stage=the_plan.zero_stage, reduce_bucket_size=the_plan.reduce_bucket_size,
-                             node_mesh=node, replicate_mesh=None if the_plan.local_steps else replicate)
-    if the_plan.local_steps:
-        optimizer = DeepSpeedLocalSteps(optimizer, replicate_mesh=replicate, **the_plan.local_steps)
+    optimizer = setup.cls(groups, **setup.options, max_grad_norm=setup.max_grad_norm,
+                             zero_stage=setup.zero_stage, reduce_bucket_size=setup.reduce_bucket_size,
+                             node_mesh=node, replicate_mesh=None if setup.local_steps else replicate)
+    if setup.local_steps:
+        optimizer = DeepSpeedLocalSteps(optimizer, replicate_mesh=replicate, **setup.local_steps)
     if check_lr_scheduler:
-        check_scheduler(the_plan.scheduler, optimizer.param_groups)
-    if the_plan.section.get("verbose") and torch.distributed.get_rank() == 0:
+        check_scheduler(setup.scheduler, optimizer.param_groups)
+    if setup.section.get("verbose") and torch.distributed.get_rank() == 0:
         print(describe_groups(optimizer.param_groups))
     return optimizer

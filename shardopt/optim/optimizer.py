@@ -298,7 +298,10 @@ class SignMuon(ShardOptimizer):
     """Sign-Muon (docs/design.md §2). vote: "allreduce_int8", "allgather_1bit", "alltoall_1bit" or "auto"
     (also the format of "lion" groups' vote). wire_dtype: precision of the shard-axis all-to-all of
     orthogonalize="full": torch.float32 (default, the exact Muon direction) or torch.bfloat16 (half
-    the shard-axis bytes; only the signs of the result are used).
+    the shard-axis bytes; only the signs of the result are used). The defaults differ on purpose: a key's
+    default comes from the optimizer class, and wire_dtype is each algorithm's own link (Dion: its factors on
+    the replicate axis, bf16 as microsoft/dion; Sign-Muon: the full-matrix all-to-all, fp32 for the exact
+    direction), so a "signmuon" group inside Dion(...) gets bf16 unless the group sets it.
     state_dtype: dtype of the momentum ("float32", "bfloat16", …; None: the param's).
     compile: torch.compile the Newton–Schulz iterations (eager if compiling fails; off by default,
         on the CPU it slowed all but small matrices: results/compile.csv).
