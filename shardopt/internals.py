@@ -13,6 +13,7 @@ Checked on torch 2.13 (`TESTED`); pyproject allows torch ≥ 2.6, where tests/te
 | `torch.optim.Optimizer.__setstate__` making the `_optimizer_*_hooks` dicts and calling `_patch_step_function` | localsteps/surface.py | an Optimizer that holds no param groups of its own, with working step hooks |
 | `DistributedDataParallel._get_active_ddp_module()` | frameworks/hf.py | the DDP running the model's forward (HF Trainer wraps it late) |
 | `torch.distributed.tensor.placement_types._StridedShard` | layout/placement.py | FSDP2's placement over a tensor-parallel row split |
+| `GradScaler._per_optimizer_states[id(optimizer)]` (`stage`, `found_inf_per_device`), `OptState.READY` | frameworks/gradscaler.py | agree the found-inf over the replicas and hand it back to `update()` |
 | `torch._foreach_*` (`FOREACH`) | clipping, agreement, elementwise | the multi-tensor kernels torch.optim uses |
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.amp import grad_scaler as amp_grad_scaler
 from torch.distributed.tensor import placement_types
 from torch.nn.parallel import DistributedDataParallel
 
@@ -77,6 +79,24 @@ def strided_shard_type() -> type:
     return placement_types._StridedShard
 
 
+def grad_scaler_state(scaler, optimizer) -> dict:
+    """`scaler`'s per-optimizer state for `optimizer` (keys "stage", "found_inf_per_device")."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is None:
+        raise _moved("torch.amp.GradScaler._per_optimizer_states")
+    state = states[id(optimizer)]
+    if "stage" not in state or "found_inf_per_device" not in state:
+        raise _moved("torch.amp.GradScaler._per_optimizer_states[...]['stage' / 'found_inf_per_device']")
+    return state
+
+
+def grad_scaler_ready(state: dict) -> bool:
+    """Whether the scaler has not unscaled this optimizer's gradients yet this step (stage OptState.READY)."""
+    if not hasattr(amp_grad_scaler, "OptState"):
+        raise _moved("torch.amp.grad_scaler.OptState")
+    return state["stage"] is amp_grad_scaler.OptState.READY
+
+
 def missing_torch_internals() -> list[str]:
     """The internals of the table above that this torch lacks (empty when all are there)."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
@@ -87,8 +107,16 @@ def missing_torch_internals() -> list[str]:
         "DistributedDataParallel._get_active_ddp_module": hasattr(DistributedDataParallel, "_get_active_ddp_module"),
         "ProcessGroup._get_backend": group is not None and hasattr(group, "_get_backend"),
         "torch.distributed.tensor.placement_types._StridedShard": hasattr(placement_types, "_StridedShard"),
+        "torch.amp.GradScaler._per_optimizer_states": _grad_scaler_has_states(),
+        "torch.amp.grad_scaler.OptState.READY": hasattr(getattr(amp_grad_scaler, "OptState", None), "READY"),
         "torch.optim.Optimizer._patch_step_function": hasattr(optimizer, "_patch_step_function"),
         **{f"torch.optim.Optimizer.{name}": hasattr(optimizer, name) for name in OPTIMIZER_HOOKS},
         **{f"torch.{name}": hasattr(torch, name) for name in FOREACH},
     }
     return [name for name, present in checks.items() if not present]
+
+
+def _grad_scaler_has_states() -> bool:
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    states = getattr(scaler, "_per_optimizer_states", None)
+    return states is not None and {"stage", "found_inf_per_device"} <= set(states[0])

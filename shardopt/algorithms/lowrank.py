@@ -28,8 +28,9 @@ def orthonormalize(P: torch.Tensor, method: str = "qr", seed: int = 0) -> torch.
     P₁ = P·R⁻¹ is well conditioned and one Cholesky-QR step finishes it:
     Q = P₁·L⁻ᵀ with L·Lᵀ = P₁ᵀP₁. Cost O(s·a·r + a·r²) instead of Householder's
     sequential O(a·r²). Both Cholesky variants fall back to Householder QR when
-    a factorization fails (rank-deficient P; that check reads the result back
-    from the device: one sync).
+    a factorization fails (rank-deficient P). Whether to run Householder is a host
+    decision, so every call of a Cholesky variant reads its `info` back: one device
+    sync per bucket and call, whether or not it falls back ("qr" reads nothing).
     A matrix that is all zeros maps to all zeros (Householder QR would give an
     arbitrary basis), so a zero update stays zero.
     """
@@ -49,13 +50,14 @@ def orthonormalize(P: torch.Tensor, method: str = "qr", seed: int = 0) -> torch.
 
 
 def _cholesky_qr(P: torch.Tensor) -> torch.Tensor | None:
-    Q = P
+    """Two Cholesky-QR passes queued back to back; both factorizations' `info` are read in one device sync at
+    the end (a failed first pass gives a second on garbage, which is then dropped with it: None)."""
+    Q, failed = P, torch.zeros((), dtype=torch.bool, device=P.device)
     for _ in range(2):
         L, info = torch.linalg.cholesky_ex(Q.mT @ Q)
-        if bool((info != 0).any()):
-            return None
+        failed = failed | (info != 0).any()
         Q = torch.linalg.solve_triangular(L, Q.mT, upper=False).mT
-    return Q
+    return None if bool(failed) else Q
 
 
 def _randomized_cholesky_qr(P: torch.Tensor, seed: int) -> torch.Tensor | None:

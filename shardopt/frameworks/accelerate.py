@@ -8,7 +8,11 @@ several processes (shardopt.ddp.keep_local_gradients; the micro-batches `acceler
 under no_sync() then count as accumulation for the optimizer's exchange during backward), and registers a save-state pre-hook so that every
 accelerator.save_state first averages the replicas' decoupled momenta (synchronize_for_checkpoint) and
 checks that the replicas' weights agree. Clip with the optimizer's max_grad_norm, not
-accelerator.clip_grad_norm_ (that clips each replica by its own norm). Accelerate's FSDP and DeepSpeed
+accelerator.clip_grad_norm_ (that clips each replica by its own norm). Under fp16 (Accelerate's GradScaler,
+on GPUs only) attach gives the prepared optimizer's patched step the `grad_scaler` keyword, so the scaler
+hands itself to shardopt's step, which agrees its overflow over the replicas (shardopt/frameworks/gradscaler.py),
+and marks a skipped step as Accelerate's overflow (`optimizer.step_was_skipped`, alike on every rank). Accelerate
+privates: AcceleratedOptimizer._optimizer_patched_step_method, ._accelerate_step_called (accelerate 1.16). Accelerate's FSDP and DeepSpeed
 plugins are refused with the reason. accelerate is imported here only.
 """
 
@@ -18,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .ddp import keep_local_gradients
 from .common import check_replicas, prepare_checkpoint, shardopt_optimizer
+from .gradscaler import hand_over_scaler
 
 try:
     from accelerate.utils import DistributedType
@@ -42,5 +47,7 @@ def attach(accelerator, model, optimizer) -> None:
         raise TypeError(f"shardopt.accelerate.attach: Accelerate runs {accelerator.num_processes} processes but the "
                         f"model is a {type(model).__name__}, not the DistributedDataParallel that accelerator.prepare "
                         f"returns; pass attach the model prepare returned")
+    hand_over_scaler(optimizer, shardopt)
     accelerator.register_save_state_pre_hook(
         lambda models, weights, output_dir: prepare_checkpoint(shardopt, "accelerator.save_state"))
+

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..internals import active_ddp_module
 from .ddp import keep_local_gradients
+from .gradscaler import hand_over_scaler
 from .common import check_replicas, prepare_checkpoint, shardopt_optimizer
 from ..optim.groups import param_groups
 from ..optim.optimizer import Dion, ShardOptimizer, SignMuon
@@ -49,6 +50,7 @@ class ShardoptCallback(TrainerCallback):
     def __init__(self):
         self.optimizer = None
         self.max_grad_norm = 0.0
+        self.scaler = None
         self._hook = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -67,6 +69,8 @@ class ShardoptCallback(TrainerCallback):
                                             "shardopt.Dion(...), None)) or Trainer(optimizer_cls_and_kwargs="
                                             "shardopt.hf.optimizer_cls_and_kwargs(...))")
         check_replicas(self.optimizer, args.world_size, "Trainer")
+        self.scaler = getattr(optimizer, "scaler", None)   # fp16: Accelerate's GradScaler
+        hand_over_scaler(optimizer, self.optimizer)         # its overflow agreed by the replicas (gradscaler.py)
         if args.max_grad_norm > 0:   # Trainer clips while it is > 0: hand it to the optimizer
             self.max_grad_norm = float(args.max_grad_norm)
             args.max_grad_norm = 0.0
@@ -82,6 +86,8 @@ class ShardoptCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.max_grad_norm > 0:
+            if self.scaler is not None:   # clip the true gradients, as Trainer's own clip does (step sees UNSCALED)
+                self.scaler.unscale_(self.optimizer)
             self.optimizer.clip_grad_norm_(self.max_grad_norm)
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -18,6 +18,9 @@ agreement_timeout_s: bound on the construction-time check that all ranks hold th
 nonfinite: "skip" (default): a NaN/inf gradient on any rank skips the step on every rank, no state
     changes, `skipped_steps` counts it and a warning is logged; "raise": FloatingPointError on every
     rank, state untouched. One all-reduce of one float per axis and one device sync per step.
+grad_scaler: fp16 AMP's torch.amp.GradScaler hands itself to step() (`_step_supports_amp_scaling`): the
+    gradients are unscaled there and its found-inf is agreed by all ranks, so an overflow anywhere skips the
+    step on every rank and the loss scales stay equal (shardopt/frameworks/gradscaler.py).
 max_grad_norm: clip by g ← g·min(1, max_grad_norm/(ν + 1e-6)), ν agreed by all ranks (clipping.py),
     so every replica and shard applies the same factor. 0 (default): no clipping.
 maximize: step along +gradient (torch.optim's maximize), for every algorithm; a group default.
@@ -61,6 +64,7 @@ from ..layout.buckets import DEFAULT_BUCKET_BYTES
 from .agreement import StepAgreement, check_ranks_agree, gradient_flag
 from .checks import check_options, check_param_group, load_checked, param_labels
 from .clipping import clip_grad_norm_
+from ..frameworks.gradscaler import agreed_to_step
 from ..wire.comm import Axes, Axis
 from ..wire.replicas import replicate_axis
 from .guard import replicas_equal
@@ -72,14 +76,14 @@ from .traffic import DOUBLE_AVERAGING_CHECK_EVERY, comm_stats, describe_optimize
 
 
 class ShardOptimizer(torch.optim.Optimizer):
-    """Base of Dion and SignMuon. Param groups choose their `algorithm` (registry.py); groups without
-    one get the class's `matrix_algorithm`. Matrix groups take 2-D weights and 3-D expert stacks
-    (E, m, n), and the option `split=(dim, sizes)` for fused projections (shardopt/layout/matrices.py).
-    The keyword options are documented in this module's docstring."""
+    """Base of Dion and SignMuon. Param groups choose their `algorithm` (registry.py); groups without one get the
+    class's `matrix_algorithm`. Matrix groups take 2-D weights and 3-D expert stacks (E, m, n), and the option
+    `split=(dim, sizes)` for fused projections (shardopt/layout/matrices.py). Options: the module's docstring."""
 
     matrix_algorithm = "dion"
     pipeline_depth = 2   # bucket steps in flight: one bucket's collective overlaps the next one's compute
     backward_overlap_type = BackwardOverlap   # what overlap_backward=True makes (shardopt/overlap/backward.py)
+    _step_supports_amp_scaling = True   # GradScaler.step calls step(grad_scaler=scaler) (frameworks/gradscaler.py)
 
     def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, tensor_mesh=None, seed: int = 0,
                  agreement_timeout_s: float = 60.0, nonfinite: str = "skip", max_grad_norm: float = 0.0,
@@ -138,11 +142,13 @@ class ShardOptimizer(torch.optim.Optimizer):
     # ---- step ---------------------------------------------------------------------------------
     @torch.compiler.disable(reason="a shardopt step issues collectives and agrees on one host-read flag per step")
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not agreed_to_step(self, grad_scaler):   # a GradScaler's overflow on some rank: every rank skips
+            return loss
         params = [p for group in self.param_groups for p in group["params"]]
         if self.backward_overlap is not None:
             self.backward_overlap.step(params)
@@ -191,9 +197,8 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     # ---- what the step's callers and adapters use -------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip every rank's local gradients in place by one agreed factor and return the agreed norm ν (a 0-d
-        tensor, no device sync; `shardopt.optim.clipping.clip_grad_norm_`); max_norm 0 reads ν only. Not with
-        overlap_backward and max_norm > 0: its exchange has read the gradients already (RuntimeError)."""
+        """Clip the local gradients by one agreed factor; return the agreed norm ν (0-d, no sync; clipping.py); max_norm 0
+        reads ν only. Not with overlap_backward and max_norm > 0: its exchange read the gradients (RuntimeError)."""
         if self.backward_overlap is not None:
             self.backward_overlap.check_clipping(max_norm)
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
@@ -254,8 +259,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         return describe_optimizer(self, replicas)
 
     def comm_stats(self) -> dict:
-        """Bytes this rank sent/received and calls issued per axis since construction (or the last reset);
-        with overlap_backward the bucket steps' own groups (`exchange_axes`) are counted in with their axis."""
+        """Bytes sent/received and calls per axis since construction or reset (overlap's `exchange_axes` counted in)."""
         return comm_stats(self.axes, self.exchange_axes)
 
     def reset_comm_stats(self) -> None:

@@ -28,6 +28,7 @@ from ..optim.plan import unit_params
 from ..optim.steps import bucket_steps, new_state, run_in_place
 from ..wire.comm import Axes
 from .round import Round, Scratch
+from .streams import streams_for
 
 logger = logging.getLogger("shardopt")
 
@@ -65,6 +66,7 @@ class BackwardOverlap:
         self._accumulating = 0
         self._no_sync_models: list = []
         self._warned_stale = False
+        self.streams = None                 # where rounds run (streams.streams_for, made at the first round)
         self._hooks: list = []
         self.hook([p for group in optimizer.param_groups for p in group["params"]])
 
@@ -155,10 +157,10 @@ class BackwardOverlap:
             scratch, delivered = Scratch(optimizer.state, functools.partial(new_state, optimizer),
                                          optimizer._param_index.__getitem__), {}
             units, steps = bucket_steps(optimizer, planned, scratch.param, scratch.state, delivered)
-            device = optimizer._device()
-            stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+            if self.streams is None:   # a side stream of its own on CUDA, made once (streams.py)
+                self.streams = streams_for(optimizer._device())
             self.round = Round([unit_params(plan, unit) for _, _, plan, unit in units], steps, scratch, planned,
-                               self._group_settings(), optimizer.pipeline_depth, stream, delivered)
+                               self._group_settings(), optimizer.pipeline_depth, self.streams, delivered)
         return self.round
 
     def _group_settings(self) -> list:

@@ -26,7 +26,6 @@ every rank issue the same collectives in the same order, however the hooks' timi
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -75,6 +74,10 @@ class Scratch:
             self._states[param] = copies
         return self._states[param]
 
+    def tensors(self) -> list:
+        """Every tensor the units wrote (the param copies, the state copies and fresh state)."""
+        return [*self._params.values(), *(value for copies in self._states.values() for value in copies.values())]
+
     def commit(self) -> None:
         """Copy every scratch tensor into the param or state tensor it stands for."""
         for param, copy in self._params.items():
@@ -93,12 +96,12 @@ class Round:
     units: the params each unit reads (plan.unit_params), in backward order; steps: one step generator per unit, drawn
     lazily in that order (their reads go to `scratch`, and a param's gradient is `delivered[param]` where
     `arrive` was handed one, else `.grad`); planned: the set of params the plans were made for; settings: the
-    groups' settings when it was made (step() compares them); depth: units in flight; stream: see
-    `on_stream`; delivered: the dict `steps` read handed-over gradients from, which `arrive` fills."""
+    groups' settings when it was made (step() compares them); depth: units in flight; streams: where the
+    units run (streams.RoundStreams: a side stream of their own on CUDA); delivered: the dict `steps` read handed-over gradients from, which `arrive` fills."""
 
     def __init__(self, units: list, steps, scratch: Scratch, planned: set, settings: list, depth: int,
-                 stream, delivered: dict):
-        self.planned, self.settings, self.scratch, self.stream, self.delivered = planned, settings, scratch, stream, delivered
+                 streams, delivered: dict):
+        self.planned, self.settings, self.scratch, self.streams, self.delivered = planned, settings, scratch, streams, delivered
         self._waiting = []
         self._units_of: dict = {}
         for index, params in enumerate(units):
@@ -123,9 +126,10 @@ class Round:
         if grad is not None:
             self.delivered[param] = grad
         self._arrived[param] = gradient_snapshot(grad if grad is not None else param.grad)
+        self.streams.reads([local(grad if grad is not None else param.grad)])
         for index in self._units_of.get(param, ()):
             self._waiting[index] -= 1
-        with on_stream(self.stream), torch.no_grad():
+        with self.streams.work(), torch.no_grad():
             self._schedule.run(self._ready)
 
     def snapshot_gradients(self) -> None:
@@ -138,9 +142,11 @@ class Round:
                 self._arrived[param] = gradient_snapshot(param.grad)
 
     def finish(self) -> None:
-        """Run every unit that is left to its end (blocking)."""
-        with on_stream(self.stream), torch.no_grad():
+        """Run every unit that is left to its end (blocking); then the caller's stream waits for the units and
+        owns the scratch (streams.RoundStreams.join), before a commit, a discard or a rerun touches it."""
+        with self.streams.work(), torch.no_grad():
             self._schedule.run()
+        self.streams.join(self.scratch.tensors())
 
     def started(self) -> int:
         return self._schedule.started
@@ -174,11 +180,3 @@ def _unchanged(snapshot: tuple, grad, delivered) -> bool:
             and delivered.dtype == grad.dtype and delivered.shape == grad.shape
             and torch.equal(local(delivered), local(grad)))
 
-
-def on_stream(stream):
-    """Run the units on `stream` (CUDA: the stream step() runs on, waiting first for the stream the
-    hook was called on, e.g. FSDP2's reduce-scatter stream); nothing on the CPU (stream None)."""
-    if stream is None:
-        return contextlib.nullcontext()
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    return torch.cuda.stream(stream)
