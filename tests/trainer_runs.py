@@ -111,6 +111,8 @@ def hf(block: str, out: str) -> dict:
         "doc_steps": doc["trainer"].state.global_step,
         "doc_checkpoints": sorted(name for name in os.listdir(os.path.join(out, "doc")) if name.startswith("checkpoint")),
         "doc_consistent": doc_opt.replicas_consistent(),
+        "doc_bytes": doc_opt.comm_stats()["replicate"]["bytes_sent"],
+        "doc_describe": doc_opt.describe(),
         "ddp": isinstance(straight.model_wrapped, DistributedDataParallel),
         "trainer_max_grad_norm": straight.args.max_grad_norm,
         "consistent": opt.replicas_consistent(),

@@ -10,6 +10,7 @@ from ..optim.guard import replicas_equal
 from ..localsteps.fragment import Ownership
 from ..localsteps.optimizer import LocalSteps
 from ..optim.optimizer import Dion, ShardOptimizer, SignMuon
+from ..optim.replicas import checkpoint_exchange
 from ..overlap.backward import BackwardOverlap
 from ..layout.placement import local
 from . import internals
@@ -142,7 +143,7 @@ class _EngineSide:
 
     def checkpoint_event_prologue(self) -> None:
         """Called by engine.save_checkpoint on every rank before the state is gathered."""
-        self.synchronize_for_checkpoint()
+        self.synchronize_for_checkpoint(checkpoint_exchange(self))
 
     def comm_stats(self) -> dict:
         """Bytes per axis, with "node": ZeRO 1/2's reduce-scatter and all-gather inside a node (and the small

@@ -5,6 +5,7 @@ processes, and readying it for the framework's checkpoint."""
 from __future__ import annotations
 
 from ..optim.optimizer import ShardOptimizer
+from ..optim.replicas import checkpoint_exchange
 
 
 def shardopt_optimizer(optimizer, fix: str) -> ShardOptimizer:
@@ -31,7 +32,7 @@ def check_replicas(optimizer: ShardOptimizer, processes: int, framework: str) ->
 def prepare_checkpoint(optimizer: ShardOptimizer, saver: str) -> None:
     """Before `saver` writes rank 0's state as everyone's: average the decoupled momenta over the replicas
     (synchronize_for_checkpoint) and check that the replicas' weights are bitwise equal (RuntimeError if not)."""
-    optimizer.synchronize_for_checkpoint()
+    optimizer.synchronize_for_checkpoint(checkpoint_exchange(optimizer))
     if not optimizer.replicas_consistent():
         raise RuntimeError(f"shardopt: the replicas' weights differ before {saver} (rank 0's checkpoint would not be "
                            f"every rank's state); something changed them outside the optimizer's step")

@@ -36,6 +36,7 @@ from ..wire.comm import Axis
 from .ddp import keep_local_gradients
 from ..optim.guard import replicas_equal
 from ..optim.optimizer import ShardOptimizer
+from ..optim.replicas import checkpoint_exchange
 
 
 class ShardoptCallback(Callback):
@@ -90,7 +91,7 @@ class ShardoptCallback(Callback):
         before reading the optimizers: the moment to agree on one momentum."""
         if self._trainer is not None:
             for optimizer in self._optimizers(self._trainer):
-                optimizer.synchronize_for_checkpoint()
+                optimizer.synchronize_for_checkpoint(checkpoint_exchange(optimizer))
         return {}
 
     def _optimizers(self, trainer) -> list[ShardOptimizer]:

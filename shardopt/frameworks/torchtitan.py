@@ -47,6 +47,7 @@ from torch import nn
 from ..optim.groups import param_groups
 from ..algorithms.registry import ALGORITHMS
 from ..optim.optimizer import Dion, SignMuon
+from ..optim.replicas import checkpoint_exchange
 from ..layout.placement import is_dtensor
 
 OPTIMIZERS = {"dion": Dion, "signmuon": SignMuon}
@@ -94,7 +95,7 @@ class ShardoptOptimizersContainer(OptimizersContainer):
     def state_dict(self) -> dict[str, Any]:
         """torchtitan's flat, FQN-keyed state dict, after averaging the replicas' decoupled momenta."""
         for optimizer in self.optimizers:
-            optimizer.synchronize_for_checkpoint()
+            optimizer.synchronize_for_checkpoint(checkpoint_exchange(optimizer))
         return super().state_dict()
 
 

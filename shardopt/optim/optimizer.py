@@ -68,7 +68,7 @@ from ..frameworks.gradscaler import agreed_to_step
 from ..wire.comm import Axes, Axis
 from ..wire.replicas import replicate_axis
 from .guard import replicas_equal
-from .replicas import average_decoupled_momenta
+from .replicas import synchronize
 from ..layout.placement import derive_meshes, local, tensor_split
 from .plan import Plans
 from .steps import run_in_place
@@ -266,9 +266,9 @@ class ShardOptimizer(torch.optim.Optimizer):
         reset_comm_stats(self.axes, self.exchange_axes)
 
     @torch.no_grad()
-    def synchronize_for_checkpoint(self) -> None:
-        """Average the replicas' decoupled momenta, so a checkpoint holds what every replica agrees on (replicas.py)."""
-        average_decoupled_momenta(self.param_groups, self.state, self.replicate)
+    def synchronize_for_checkpoint(self, exchange: str = "mean") -> None:
+        """Decoupled momenta ← a value all replicas agree on, via `exchange` ("mean": exact fp32; replicas.py)."""
+        synchronize(self, exchange)
 
     @torch.no_grad()
     def replicas_consistent(self) -> bool:

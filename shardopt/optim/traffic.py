@@ -13,7 +13,8 @@ process groups of their own (`exchange_axes`), counted in with the axis they sta
 
 The step's other collectives have their formulas beside the code that issues them: once per step
 the non-finite check, AR(4); at step 1 and every N = `double_averaging_check_every` steps after,
-the double-averaging check, AR(24) (3 int64), and AR(2) on each other agreement axis. AR(x) =
+the double-averaging check, AR(24) (3 int64), and AR(2) on each other agreement axis; per checkpoint the
+agreement on the decoupled momenta (replicas.checkpoint_bytes, `describe_checkpoint`). AR(x) =
 2·x·(M−1)/M (comm.collective_bytes).
 """
 
@@ -26,6 +27,7 @@ from ..wire.comm import Axes, Axis, CountingAxis, collective_bytes
 from ..algorithms.hyperparams import state_dtype
 from ..layout.placement import derive_meshes, local
 from .plan import group_steps, plan_group
+from .replicas import checkpoint_bytes, checkpoint_exchange
 from ..algorithms.registry import algorithm
 from .schedule import pipeline
 
@@ -113,10 +115,23 @@ def replicate_bytes(optimizer, replicas: int | None = None) -> list[int]:
 def describe_optimizer(optimizer, replicas: int | None = None) -> str:
     """`describe` of a ShardOptimizer's groups, with its settings and axes, at `replicas` replicas (default:
     its replicate axis's size)."""
-    return describe(optimizer.param_groups, optimizer.replicate.size if replicas is None else replicas,
-                    optimizer.bucket_bytes, clipping=optimizer.max_norm > 0,
-                    double_averaging_check_every=optimizer.double_averaging_check_every, shard=optimizer.shard,
-                    tensor=optimizer.tensor)
+    replicas = optimizer.replicate.size if replicas is None else replicas
+    return "\n".join([describe(optimizer.param_groups, replicas, optimizer.bucket_bytes, clipping=optimizer.max_norm > 0,
+                                double_averaging_check_every=optimizer.double_averaging_check_every,
+                                shard=optimizer.shard, tensor=optimizer.tensor),
+                       *describe_checkpoint(optimizer, replicas)])
+
+
+def describe_checkpoint(optimizer, replicas: int) -> list[str]:
+    """The line saying what a checkpoint costs on the replicate axis (replicas.py), with more than one replica."""
+    exchange = checkpoint_exchange(optimizer)
+    agreed = checkpoint_bytes(optimizer.param_groups, replicas, exchange)
+    exact = checkpoint_bytes(optimizer.param_groups, replicas, "mean")
+    if not exact:
+        return []
+    return [f"shardopt: checkpoint: +{agreed:,} B on the replicate axis per save, to agree on the decoupled momenta "
+            f"through {exchange!r} (the framework adapters' checkpoint_exchange; {exact:,} B with \"mean\", the "
+            f"exact fp32 mean that synchronize_for_checkpoint() takes by default)"]
 
 
 def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clipping: bool = False,
