@@ -14,11 +14,11 @@ there until this is rerun.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 from integrations.results import write_csv
+from tests.two_processes import run_scenarios   # the checkout's tests/ (a namespace package beside integrations/)
 
 ROOT = Path(__file__).resolve().parents[2]
 CSV = ROOT / "results" / "trainers.csv"
@@ -43,8 +43,6 @@ def figures(framework: str, layout: str, result: dict) -> dict:
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from two_processes import run_scenarios
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for framework, scenarios, layouts in SCENARIOS:
