@@ -29,6 +29,17 @@ class GPTConfig:
     n_embd: int = 128
 
 
+# The benchmark's model sizes (issue 42, launch/bench/sizes.py): S the GPT of every earlier result (1.3M params
+# with BPE-4096), M ≈ 4× (width 256), L ≈ 16× (width 512, 6 layers); n_head 4, block_size 64 for all.
+SIZES = {"S": {"n_embd": 128, "n_layer": 4}, "M": {"n_embd": 256, "n_layer": 4}, "L": {"n_embd": 512, "n_layer": 6}}
+
+
+def parameter_count(config: GPTConfig) -> int:
+    """The GPT's parameters (the tied head counted once), built on the meta device."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(config).parameters())
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()

@@ -160,12 +160,14 @@ def dion_bytes(layout, rank_fraction, wire_itemsize, sizes):
     return sent
 
 
-def outer_bytes(exchange: str, n: int, replicas: int, block: int, matrices=(), rank_fraction: float = 0.25) -> int:
+def outer_bytes(exchange: str, n: int, replicas: int, block: int, matrices=(), rank_fraction: float = 0.25,
+                density: float = 0.02) -> int:
     """The tests' byte oracle for one local-steps sync (docs/design.md §10 and shardopt/localsteps/formats.py's table,
     not the code): bytes one replica sends for n entries among M replicas, with `block` entries per
     scale and one fp32 non-finite flag; alltoall_1bit for sign_vote; sign_mean all-gathers. "lowrank": `matrices`, whole
     (m, n) matrices whose P (a×r) and R (b×r) means cross in bf16, r = ⌈rank_fraction·min(m, n)⌉, and
-    the n other entries by sign_vote."""
+    the n other entries by sign_vote. "topk": per block the max(1, round(density·block)) largest, each
+    2 value bits and ⌈log2 block⌉ offset bits in one packed stream, one fp32 scale per block, all-gathered."""
     M = replicas
     if M == 1:
         return 0
@@ -185,6 +187,10 @@ def outer_bytes(exchange: str, n: int, replicas: int, block: int, matrices=(), r
         return 2 * (M - 1) * chunk                                          # all-to-all + all-gather
     if exchange == "sign_mean":                                             # every replica's signs and scales
         return (M - 1) * (math.ceil(n / 8) + 4 * (math.ceil(n / block) + 1))
+    if exchange == "topk":
+        chunks, picks = math.ceil(n / block), max(1, round(density * block))
+        bits_per_pick = 2 + math.ceil(math.log2(block))
+        return (M - 1) * (math.ceil(chunks * picks * bits_per_pick / 8) + 4 * (chunks + 1))
     if exchange == "sign_vote":
         n_p = math.ceil(n / (8 * M)) * 8 * M
         vote = 2 * (n_p // 8) * (M - 1) // M if n else 0                    # N(M−1)/(4M), padded

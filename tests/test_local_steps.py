@@ -93,10 +93,10 @@ def _mean_one_step_rounds(steps):
     return [p.detach().double() for p in params]
 
 
-def _error_feedback(exchange, steps):
+def _error_feedback(exchange, steps, **options):
     """At each sync: Δ (θ_outer − θ after the inner step), e before and after; returns them flat."""
     params = _params()
-    opt = _local_steps("sgd", params, exchange=exchange)
+    opt = _local_steps("sgd", params, exchange=exchange, **options)
     after_inner = {}
     inner_step = opt.inner.step
 
@@ -242,10 +242,25 @@ def _sign_mean_compressed(x):
     return torch.where(x > 0, 1.0, -1.0) * _sign_vote_compressed(x).abs()
 
 
+TOPK_DENSITY = 0.25   # 4 of each block of 16
+
+
+def _topk_compressed(x):
+    """Per block of 16 the 4 largest |x|, each sent as ±s (|x| ≥ ¾·s) or ±s/2, s the block's max |x|; 0 elsewhere."""
+    blocks = torch.nn.functional.pad(x, (0, -x.numel() % BLOCK)).view(-1, BLOCK)
+    out = torch.zeros_like(blocks)
+    for row, block in enumerate(blocks):
+        s = float(block.abs().max())
+        for i in sorted(range(BLOCK), key=lambda i: -abs(float(block[i])))[:4]:
+            magnitude = s if abs(float(block[i])) >= 0.75 * s else s / 2
+            out[row, i] = magnitude if block[i] > 0 else -magnitude
+    return out.reshape(-1)[:x.numel()]
+
+
 @pytest.mark.parametrize("exchange, compressed", [("sign_vote", _sign_vote_compressed), ("int4", _int4_compressed),
-                                                  ("sign_mean", _sign_mean_compressed)])
+                                                  ("sign_mean", _sign_mean_compressed), ("topk", _topk_compressed)])
 def test_error_feedback_keeps_what_the_wire_dropped_and_telescopes(pool2, exchange, compressed):
-    results = pool2.run(_error_feedback, exchange, 6)
+    results = pool2.run(_error_feedback, exchange, 6, density=TOPK_DENSITY)
     for rounds in results:
         assert len(rounds) == 3
         for sync in rounds:
@@ -256,11 +271,11 @@ def test_error_feedback_keeps_what_the_wire_dropped_and_telescopes(pool2, exchan
                                    rtol=0, atol=1e-5)
 
 
-def _sign_mean_syncs(steps):
+def _sign_mean_syncs(steps, exchange="sign_mean", **options):
     """Each sync (every step, outer lr 1, no momentum) on both replicas: θ_outer and e before it (the
     initial params and 0 at the first), this replica's gradient, θ_outer after it."""
     params = _params()
-    opt = _local_steps("sgd", params, sync_every=1, exchange="sign_mean", outer_lr=1.0, outer_momentum=0.0)
+    opt = _local_steps("sgd", params, sync_every=1, exchange=exchange, outer_lr=1.0, outer_momentum=0.0, **options)
 
     def flat(key):
         return torch.cat([opt.state[p][key].reshape(-1).clone() for p in params])
@@ -284,6 +299,17 @@ def test_sign_mean_moves_by_the_mean_of_both_replicas_scaled_signs(pool2):
         want = results[0][sync]["outer_before"] - (_sign_mean_compressed(x[0]) + _sign_mean_compressed(x[1])) / 2
         for rank in range(2):
             torch.testing.assert_close(results[rank][sync]["outer_after"], want, rtol=0, atol=1e-6)
+
+
+def test_topk_moves_by_the_mean_of_both_replicas_decoded_picks_bitwise_equal(pool2):
+    """θ_outer ← θ_outer − (c(x_0) + c(x_1))/2 with c the top-k compressor (_topk_compressed), the same
+    bits on both replicas."""
+    results = pool2.run(_sign_mean_syncs, 3, "topk", density=TOPK_DENSITY)
+    for sync in range(3):
+        x = [INNER_LR * results[r][sync]["grad"] + results[r][sync]["error_before"] for r in range(2)]
+        want = results[0][sync]["outer_before"] - (_topk_compressed(x[0]) + _topk_compressed(x[1])) / 2
+        assert torch.equal(results[0][sync]["outer_after"], results[1][sync]["outer_after"])
+        torch.testing.assert_close(results[0][sync]["outer_after"], want, rtol=0, atol=1e-6)
 
 
 def test_nonfinite_round_is_discarded_on_every_replica(pool2):

@@ -20,7 +20,7 @@ logger = logging.getLogger("shardopt")
 
 
 def check_local_steps(inner, *, sync_every, outer_lr, outer_momentum, exchange, rank_fraction, fragments,
-                      state_dtype, state_device) -> torch.dtype:
+                      state_dtype, state_device, density=0.02) -> torch.dtype:
     """Raise ValueError naming the first bad argument of LocalSteps; returns the state dtype (a name → torch's)."""
     if not isinstance(inner, torch.optim.Optimizer):
         raise ValueError(f"inner must be a torch.optim.Optimizer (a shardopt optimizer or a torch one), got "
@@ -37,6 +37,9 @@ def check_local_steps(inner, *, sync_every, outer_lr, outer_momentum, exchange, 
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     if not 0 < rank_fraction <= 1:
         raise ValueError(f"rank_fraction must be in (0, 1] (rank / min(m, n) of \"lowrank\"), got {rank_fraction!r}")
+    if not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1] (the fraction of each chunk that \"topk\" sends; 0.01–0.03 "
+                         f"typical), got {density!r}")
     if type(fragments) is not int or not 1 <= fragments <= sync_every:
         raise ValueError(f"fragments must be an int in [1, sync_every={sync_every}] (each fragment syncs once "
                          f"per round, at its own step), got {fragments!r}")

@@ -65,3 +65,54 @@ def spread_blocks(values: torch.Tensor, block: int, n: int) -> torch.Tensor:
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a contiguous tensor (…, k) as uint8 (…, k·itemsize)."""
     return tensor.contiguous().view(torch.uint8)
+
+
+# ---- "topk": per chunk the k largest |x|, 2-bit values, packed within-chunk offsets ----------------
+def picks_per_chunk(block: int, density: float) -> int:
+    """k = max(1, round(density·block)): the entries "topk" sends per chunk of `block`."""
+    return max(1, min(block, round(density * block)))
+
+
+def offset_bits(block: int) -> int:
+    """⌈log2 block⌉: the bits of a within-chunk offset (0 for a chunk of one entry)."""
+    return (block - 1).bit_length()
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes in [0, 2^bits) (…, m) → (…, ⌈m·bits/8⌉) uint8: code j's bit i is stream bit j·bits + i,
+    stream bit t in byte t // 8 at position t % 8 (least significant first), the last byte zero-padded."""
+    shifts = torch.arange(bits, device=codes.device)
+    stream = ((codes.unsqueeze(-1) >> shifts) & 1).flatten(-2).to(torch.uint8)
+    stream = torch.nn.functional.pad(stream, (0, -stream.shape[-1] % 8))
+    weights = (1 << torch.arange(8, device=codes.device)).to(torch.uint8)
+    return (stream.unflatten(-1, (-1, 8)) * weights).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of pack_bits: (…, bytes) uint8 → the first `count` codes (…, count) int64."""
+    positions = torch.arange(8, device=packed.device)
+    stream = ((packed.unsqueeze(-1).long() >> positions) & 1).flatten(-2)[..., :count * bits]
+    return (stream.unflatten(-1, (count, bits)) << torch.arange(bits, device=packed.device)).sum(dim=-1)
+
+
+def select_topk(blocks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk the k entries of largest |x| (ties as torch.topk breaks them): blocks (nc, block) →
+    (offsets (nc, k) int64 within the chunk, values (nc, k))."""
+    offsets = blocks.abs().topk(k, dim=1).indices
+    return offsets, blocks.gather(1, offsets)
+
+
+def encode_picks(offsets: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A pick as one (2 + offset_bits) code: offset·4 + 2·big + positive, positive = x > 0, big = |x| ≥ ¾·s_c
+    (s_c the chunk's absmax, `scales` (nc,)): the 2-bit value decodes to ±s_c (big) or ±s_c/2."""
+    big = values.abs() >= 0.75 * scales.unsqueeze(-1)
+    return offsets * 4 + big.long() * 2 + (values > 0).long()
+
+
+def decode_picks(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """Codes (…, nc, k) and scales (…, nc) → the dense chunks (…, nc, block) fp32: x̂ = ±s_c·(1 + big)/2 at
+    each pick's offset, 0 elsewhere."""
+    sign = torch.where(codes & 1 > 0, 1.0, -1.0)
+    values = sign * scales.unsqueeze(-1) * (0.5 * (1 + ((codes >> 1) & 1))).float()
+    dense = scales.new_zeros((*codes.shape[:-1], block))
+    return dense.scatter_(-1, codes >> 2, values)

@@ -19,6 +19,7 @@ traffic.py counts by running the exchange itself on a counting axis):
 | "lowrank" | per matrix Dion's P (a×r) and R (b×r) means in bf16 (`LowRank`), the rest by "sign_vote" | Σ AR(2(a+b)·r) + the rest's |
 | "sign_vote" | 1-bit vote of sign(x) in vote.py's format (zeros abstain, as Lion's) times the block's mean abs x averaged over the replicas | vote bytes + AR(4(⌈n/block⌉ + 1)) |
 | "sign_mean" | every replica's 1-bit sign(x) and its own per-block mean abs x, all-gathered; the mean of the replicas' scaled signs | (M−1)·(⌈n/8⌉ + 4(⌈n/block⌉ + 1)) |
+| "topk" | per chunk of `block` the k = max(1, round(density·block)) largest abs x, each a packed (2 + ⌈log2 block⌉)-bit code (offset, sign, big), with the chunk's fp32 absmax and the flag, all-gathered; the mean of the replicas' decoded picks | (M−1)·(⌈n_c·k·(2 + ⌈log2 block⌉)/8⌉ + 4(n_c + 1)), n_c = ⌈n/block⌉ |
 
 On one replica nothing is exchanged or rounded: mean = own = x.
 """
@@ -30,10 +31,12 @@ import torch
 from ..wire.comm import Axis
 from ..wire.signs import pack_signs, padded_length, unpack_signs
 from ..wire.vote import VOTES, vote_format
-from .codec import (absmax_scales, as_bytes, block_mean_abs, blocks_of, dequantize, nonfinite_flag, pack_int4, quantize,
-                    spread_blocks, unpack_int4)
+from .codec import (absmax_scales, as_bytes, block_mean_abs, blocks_of, decode_picks, dequantize, encode_picks,
+                    nonfinite_flag, offset_bits, pack_bits, pack_int4, picks_per_chunk, quantize, select_topk,
+                    spread_blocks, unpack_bits, unpack_int4)
 
 DEFAULT_BLOCK = 4096
+DEFAULT_DENSITY = 0.02   # "topk": the fraction of each chunk's entries sent
 FLAG_SLOT = 1   # one fp32 beside the scales: 1.0 where x held a NaN/inf
 
 
@@ -188,17 +191,61 @@ class SignMean(OuterFormat):
         return decoded.sum(dim=0) / replicate.contributors, own, slots[:, -1].max() > 0   # (torchft: see Axis)
 
 
+class TopK(OuterFormat):
+    """Sparse top-k with error feedback. x is cut into chunks of `block` entries (the last zero-padded);
+    per chunk c the k = max(1, round(density·block)) entries of largest |x| (codec.select_topk) are sent
+    as one (2 + ⌈log2 block⌉)-bit code each: the within-chunk offset, positive = x > 0 and big = |x| ≥ ¾·s_c,
+    decoding to ±s_c (big) or ±s_c/2, s_c = max |x| over the chunk (fp32, one per chunk). One all-gather
+    of every replica's packed codes, scales and flag (codec.pack_bits: one bit stream, least significant
+    bit first); every replica decodes every row alike and sums them in replica order, so the mean
+    (1/M)·Σ_r own_r is bitwise equal everywhere. own = the decoded own picks (0 off them): the error
+    feedback e = x − own keeps every entry not sent, and each sent one's rounding."""
+
+    name = "topk"
+
+    def __init__(self, block: int = DEFAULT_BLOCK, density: float = DEFAULT_DENSITY):
+        if block < 1:
+            raise ValueError(f"block must be ≥ 1 entries, got {block}")
+        if not 0 < density <= 1:
+            raise ValueError(f"density must be in (0, 1] (the fraction of each chunk that \"topk\" sends), "
+                             f"got {density!r}")
+        self.block, self.k, self.code_bits = block, picks_per_chunk(block, density), 2 + offset_bits(block)
+
+    def _decode(self, rows: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows (R, payload bytes) → (decoded chunks (R, chunks, block) fp32, flags (R,))."""
+        code_bytes = rows.shape[1] - 4 * (chunks + FLAG_SLOT)
+        slots = rows[:, code_bytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)   # (R, chunks+1)
+        codes = unpack_bits(rows[:, :code_bytes], self.code_bits, chunks * self.k).view(len(rows), chunks, self.k)
+        return decode_picks(codes, slots[:, :-FLAG_SLOT], self.block), slots[:, -1]
+
+    def exchange(self, x, replicate, seed):
+        n, flag = x.numel(), nonfinite_flag(x)
+        if replicate.size == 1:
+            return x, x, flag[0] > 0
+        blocks = blocks_of(torch.nan_to_num(x), self.block)                       # (chunks, block)
+        scales = blocks.abs().amax(dim=1)
+        offsets, values = select_topk(blocks, self.k)
+        codes = pack_bits(encode_picks(offsets, values, scales).reshape(-1), self.code_bits)
+        payload = torch.cat([codes, as_bytes(torch.cat([scales, flag]))])
+        own, _ = self._decode(payload.unsqueeze(0), blocks.shape[0])
+        rows = yield replicate.all_gather(payload, async_op=True)                 # (M, payload bytes)
+        decoded, flags = self._decode(rows, blocks.shape[0])
+        mean = decoded.sum(dim=0) / replicate.contributors                        # (torchft: see Axis)
+        return mean.reshape(-1)[:n], own.reshape(-1)[:n], flags.max() > 0
+
+
 OUTER_FORMATS = {"mean": lambda **_: Mean("mean", torch.float32),
                  "mean_bf16": lambda **_: Mean("mean_bf16", torch.bfloat16),
                  "int8": lambda block=DEFAULT_BLOCK, **_: Quantized("int8", 8, block),
                  "int4": lambda block=DEFAULT_BLOCK, **_: Quantized("int4", 4, block),
                  "sign_vote": lambda block=DEFAULT_BLOCK, vote="alltoall_1bit", **_: SignVote(vote, block),
-                 "sign_mean": lambda block=DEFAULT_BLOCK, **_: SignMean(block)}
+                 "sign_mean": lambda block=DEFAULT_BLOCK, **_: SignMean(block),
+                 "topk": lambda block=DEFAULT_BLOCK, density=DEFAULT_DENSITY, **_: TopK(block, density)}
 EXCHANGES = (*OUTER_FORMATS, "lowrank")   # lowrank: built per fragment by LocalSteps (it needs the matrices)
 
 
 def outer_format(exchange: str, **options) -> OuterFormat:
-    """The format named `exchange` (EXCHANGES), with its options (block, vote); for "lowrank" the
+    """The format named `exchange` (EXCHANGES), with its options (block, vote, density); for "lowrank" the
     sign_vote of its non-matrix entries (LocalSteps builds the LowRank around it)."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")

@@ -48,11 +48,11 @@ class LocalSteps(OptimizerAround):
     sync_every: H ≥ 1, inner steps per round.
     outer_lr, outer_momentum, nesterov: the outer SGD (MuLoCo's 0.7 / 0.6 / Nesterov by default).
     exchange: one of formats.EXCHANGES ("mean", "mean_bf16", "int8", "int4", "sign_vote", "sign_mean",
-        "lowrank").
+        "lowrank", "topk").
     rank_fraction: "lowrank"'s r = ⌈rank_fraction·min(m, n)⌉ per 2-D param (one whose (a+b)·r < a·b;
         the others go by sign_vote), with a warm-started Q (b×r, N(0,1) from the seed) in the state.
-    block: entries per scale of "int8" / "int4" / "sign_vote" / "sign_mean"; vote: "sign_vote"'s wire
-        format (vote.py, or "auto").
+    block: entries per scale of "int8" / "int4" / "sign_vote" / "sign_mean" / "topk"; vote: "sign_vote"'s
+        wire format (vote.py, or "auto"); density: "topk"'s fraction of each block sent (0.01–0.03 typical).
     overlap: round k's exchange runs during round k+1 (one collective advanced per inner step) and is
         applied at round k+1's end, with the inner progress made meanwhile kept on top. θ_outer is
         bitwise equal on every replica after every sync; θ then differs by each replica's own progress.
@@ -75,15 +75,15 @@ class LocalSteps(OptimizerAround):
 
     def __init__(self, inner: torch.optim.Optimizer, *, replicate_mesh, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.6, nesterov: bool = True, exchange: str = "sign_vote",
-                 block: int = 4096, vote: str = "alltoall_1bit", rank_fraction: float = 0.25,
+                 block: int = 4096, vote: str = "alltoall_1bit", rank_fraction: float = 0.25, density: float = 0.02,
                  overlap: bool = False, fragments: int = 1,
                  state_dtype=torch.float32, state_device=None, seed: int = 0, model=None,
                  double_averaging_check: bool = True, ownership: Ownership = EVERY_PARAM):
         state_dtype = check_local_steps(inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                         exchange=exchange, rank_fraction=rank_fraction, fragments=fragments,
-                                        state_dtype=state_dtype, state_device=state_device)
+                                        state_dtype=state_dtype, state_device=state_device, density=density)
         super().__init__(inner)
-        self.format = outer_format(exchange, block=block, vote=vote)   # ("lowrank": its non-matrix part)
+        self.format = outer_format(exchange, block=block, vote=vote, density=density)   # ("lowrank": its non-matrix part)
         self.exchange_name, self.rank_fraction = exchange, rank_fraction
         self.sync_every, self.outer_lr, self.outer_momentum, self.nesterov = sync_every, outer_lr, outer_momentum, \
             nesterov

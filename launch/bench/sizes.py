@@ -1,0 +1,121 @@
+"""The local-steps benchmark across model sizes (issue 42): the same data (BPE-4096 Shakespeare), schedule and
+methods as localsteps.py, on 4 replicas × 1 rank (four emulated nodes of one rank each), at the GPT sizes of
+integrations/model.SIZES (S: width 128, 4 layers, today's; M: width 256; L: width 512, 6 layers).
+
+    python launch/bench/sizes.py --sizes S M --configs ddp_adamw local_muon_H30_sign_mean_b128 muloco_H30 \\
+        local_muon_H30_topk --steps 200                        # the first campaign → results/sizes.csv
+
+A config is one of localsteps.configs() (muloco_H30: Muon inside, int4 outside); each runs at its own lr
+× --lr-factors. Resume: a row already in the CSV (same size, method, lr, seed, steps) is not rerun (--rerun
+runs it again); a finished run folder of the same arguments and code is read back (campaign.py).
+
+    results/sizes.csv   size, params, method, inner, exchange, H, replicas, outer_lr, outer_momentum, lr,
+                        scalar_lr, seed, steps, tokens, final_val_loss, replicate_bytes_total (one rank's),
+                        link_bytes_total (one node's on the link: localsteps.link_factor),
+                        bytes_per_token_vs_ddp_fp32 (link bytes / ddp_adamw's at the same size and steps, its
+                        best lr) and x_fewer_bytes (its inverse; blank without that row), compute_s (the run's
+                        own step times, measured while the machine was shared)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import campaign
+import localsteps
+import runs
+from integrations.model import SIZES, GPTConfig, parameter_count
+
+FIELDS = ["size", "params", "method", "inner", "exchange", "H", "replicas", "outer_lr", "outer_momentum", "lr",
+          "scalar_lr", "seed", "steps", "tokens", "final_val_loss", "replicate_bytes_total", "link_bytes_total",
+          "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s"]
+KEY = ("size", "method", "lr", "seed", "steps")
+REPLICAS = 4            # 4 nodes × 1 rank
+VOCAB = {"bpe": 4096, "byte": 256}
+
+
+def arrange(rows: list[dict]) -> list[dict]:
+    """Link bytes and the ratio to ddp_adamw's at the same size and steps (its lowest final val loss)."""
+    baselines: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["size"], str(row["steps"]))
+        if row["method"] == localsteps.BASELINE and (
+                key not in baselines or float(row["final_val_loss"]) < float(baselines[key]["final_val_loss"])):
+            baselines[key] = row
+    for row in rows:
+        row["link_bytes_total"] = int(row["replicate_bytes_total"]) * localsteps.link_factor(row["method"], REPLICAS)
+        baseline = baselines.get((row["size"], str(row["steps"])))
+        if baseline is None:
+            row["bytes_per_token_vs_ddp_fp32"] = row["x_fewer_bytes"] = ""
+            continue
+        ratio = row["link_bytes_total"] / (int(baseline["replicate_bytes_total"])
+                                           * localsteps.link_factor(localsteps.BASELINE, REPLICAS))
+        row["bytes_per_token_vs_ddp_fp32"] = f"{ratio:.6f}"
+        row["x_fewer_bytes"] = f"{1 / ratio:.1f}" if ratio else "inf"
+    order = {size: index for index, size in enumerate(SIZES)}
+    rows = sorted(rows, key=lambda r: (order.get(r["size"], len(order)), int(r["steps"]), r["method"]))
+    return [{field: row.get(field, "") for field in FIELDS} for row in rows]
+
+
+def size_args(args, size: str) -> argparse.Namespace:
+    """args with the model of `size` (n_embd, n_layer)."""
+    return argparse.Namespace(**{**vars(args), **SIZES[size]})
+
+
+def run_one(finals: campaign.Campaign, config: localsteps.Config, size: str, lr: float, seed: int, args) -> None:
+    """One run (4 nodes × 1 rank) of config at size, lr and seed; its row into finals."""
+    method, model = config.method, size_args(args, size)
+    out = runs.local_run_dir(args.runs_dir / size / f"s{args.steps}", method, lr, None, seed, 1)
+    command = method.command(lr, None, seed, out, runs.model_args(model), REPLICAS, 1)
+    if not finals.attempt(f"{size} {method.name} lr {lr:g} seed {seed}", lambda: campaign.run_local(
+            command, localsteps.RANKS, out / "log.txt", args.run_timeout, reuse=True)):
+        return
+    summary = runs.summarize(runs.read_metrics(out))
+    params = parameter_count(GPTConfig(vocab_size=VOCAB[args.tokenizer], block_size=args.block_size,
+                                       **SIZES[size]))
+    finals.add({"size": size, "params": params, "method": method.name, "inner": config.inner,
+                "exchange": config.exchange, "H": config.H, "replicas": REPLICAS,
+                "outer_lr": "" if config.outer_lr is None else f"{config.outer_lr:g}",
+                "outer_momentum": "" if config.outer_momentum is None else f"{config.outer_momentum:g}",
+                "lr": f"{lr:g}", "scalar_lr": method.scalar_lr_text(None), "seed": seed, "steps": summary.steps,
+                "tokens": summary.steps * args.batch_size * args.block_size * localsteps.RANKS,
+                "final_val_loss": f"{summary.final_val_loss:.4f}",
+                "replicate_bytes_total": summary.replicate_bytes_total, "compute_s": f"{summary.curve[-1][1]:.1f}"})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=list(SIZES))
+    parser.add_argument("--configs", nargs="+", required=True, help="localsteps.configs() names")
+    parser.add_argument("--lr-factors", nargs="+", type=float, default=[1.0], help="× each config's lr")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--rerun", action="store_true", help="run again the rows already in the CSV")
+    runs.add_model_arguments(parser)
+    parser.add_argument("--run-timeout", type=float, default=7200.0)
+    parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS / "sizes")
+    parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "sizes.csv")
+    args = parser.parse_args()
+    every = {c.method.name: c for c in localsteps.configs(args.n_embd)}
+    unknown = [name for name in args.configs if name not in every]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(every)}")
+    finals = campaign.Campaign(args.csv, FIELDS, KEY, arrange=arrange)
+    done = {tuple(str(row[k]) for k in KEY) for row in finals.kept}
+    for size in args.sizes:
+        for name in args.configs:
+            config = dataclasses.replace(every[name], replicas=REPLICAS)
+            for lr in (config.method.lr * factor for factor in args.lr_factors):
+                for seed in args.seeds:
+                    if not args.rerun and (size, name, f"{lr:g}", str(seed), str(args.steps)) in done:
+                        print(f"sizes: {size} {name} lr {lr:g} seed {seed} already in {args.csv.name}", flush=True)
+                        continue
+                    run_one(finals, config, size, lr, seed, args)
+    campaign.print_table(finals.everything())
+    print(f"wrote {args.csv}")
+    finals.finish("--runs-dir")
+
+
+if __name__ == "__main__":
+    main()
