@@ -21,6 +21,7 @@ import argparse
 import re
 from pathlib import Path
 
+import torchft_table
 from integrations.results import read_csv
 from markdown_tables import (headline_table, localsteps_summary, slowlink_summary, table, trainer_bytes_table,
                              training_table)
@@ -154,6 +155,16 @@ SOURCES = {
     "step_memory.csv": ("python launch/bench/step_memory.py --llama1b",
                         "The RSS high-water mark of one step above the steady state, a fresh process per row, one "
                         "thread."),
+    "torchft_localsteps.csv": ("H=10 EXCHANGE=sign_mean SEED=7 TODAY=1 CSV=results/torchft_localsteps.csv bash "
+                               "launch/torchft_local.sh --tokenizer bpe",
+                               "Fault tolerance on torchft (docs/design.md §13): 3 replica groups of "
+                               "integrations/fsdp/train.py --fault-tolerant, local steps (sign_mean, H = 10), one group "
+                               "SIGKILLed and restarted; the same job without the failure; today's figure: one torchrun "
+                               "world without torchft, the same kill (launch/torchft_table.py)."),
+    "torchft_perstep.csv": ("H=0 SEED=40 TODAY=1 CSV=results/torchft_perstep.csv bash launch/torchft_local.sh "
+                            "--tokenizer bpe --optimizer signmuon --nonmatrix-algorithm lion",
+                            "As torchft_localsteps.csv, per-step Sign-Muon + Lion: a round per step, a step whose "
+                            "round is not committed runs again (launch/torchft_table.py)."),
     "step_time.csv": ("python launch/bench/step_time.py",
                       "Optimizer step time and state memory per matrix (one GPT-2-small layer's four shapes and "
                       "2048²), all optimizers in one interleaved run, as ratios to fp32 Muon on the same matrix (CPU "
@@ -195,9 +206,9 @@ def results_document(paths: list[Path]) -> str:
 README_BLOCKS = {"headline": headline_table, "demo": training_table, "slowlink": slowlink_summary,
                  "localsteps": localsteps_summary,
                  "lightning_bytes": lambda rows: trainer_bytes_table(rows, "lightning"),
-                 "torchtitan_bytes": lambda rows: trainer_bytes_table(rows, "torchtitan")}
+                 "torchtitan_bytes": lambda rows: trainer_bytes_table(rows, "torchtitan"), "torchft": torchft_table.markdown}
 # other documents with <!-- NAME:begin (results/X.csv) --> blocks, redrawn with the README
-DOCS_WITH_TABLES = ("docs/trainers.md",)
+DOCS_WITH_TABLES = ("docs/trainers.md", "docs/benchmarks.md")
 README_BLOCK = re.compile(r"(<!-- (\w+):begin \((results/[\w./-]+\.csv)\) -->\n).*?(<!-- \2:end -->)", re.S)
 
 

@@ -17,6 +17,7 @@ torchft = pytest.importorskip("torchft")
 
 ROOT = Path(__file__).resolve().parents[1]
 WALL_S = 150
+TRAIN_WALL_S = 300   # train.py: 3 groups of the example GPT, 120 steps, a restart (110 s on 2 busy cores)
 
 
 def _port() -> int:
@@ -184,3 +185,61 @@ def test_an_inner_optimizer_with_the_manager_as_replicate_axis_is_refused():
 def test_the_torchft_privates_are_where_the_catalogue_says():
     from shardopt.torchft import internals
     internals.check()
+
+
+# ---- integrations/fsdp/train.py --fault-tolerant, per-step ---------------------------------------
+def _train_group(index, lighthouse, tmp_path, steps):
+    """One replica group of train.py (one rank), per-step Sign-Muon + Lion on a byte corpus in tmp_path."""
+    out = tmp_path / f"group{index}"
+    out.mkdir(exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}
+    command = [sys.executable, str(ROOT / "integrations" / "fsdp" / "train.py"), "--fault-tolerant", "--replica-id",
+               str(index), "--lighthouse", lighthouse, "--min-replicas", "2", "--replica-groups", "3",
+               "--optimizer", "signmuon", "--nonmatrix-algorithm", "lion", "--data-dir", str(tmp_path),
+               "--steps", str(steps), "--warmup", "10", "--log-every", "1", "--eval-every", str(steps),
+               "--eval-batches", "1", "--timeout", "5", "--quorum-timeout", "60", "--out-dir", str(out)]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=open(out / "log.txt", "ab"), stderr=subprocess.STDOUT)
+
+
+def _lrs(path):
+    import csv
+    with open(path) as f:
+        return {int(row["step"]): row["lr"] for row in csv.DictReader(f) if row["lr"]}
+
+
+def test_train_py_per_step_kill_restart_heals_and_finishes_the_same_steps(tmp_path):
+    """Per-step Sign-Muon + Lion through train.py --fault-tolerant, 3 groups: group 1 is SIGKILLed at step 5 and
+    restarted; the steps whose round broke run again (the lr schedule not advanced), the restarted group heals and
+    every group ends at --steps with the same lr at every step it logged."""
+    from torchft.coordination import LighthouseServer
+    text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(2000))
+    (tmp_path / "train.bin").write_bytes(text)
+    (tmp_path / "val.bin").write_bytes(text[:20000])
+    (tmp_path / "meta.json").write_text('{"vocab_size": 256, "dtype": "uint8"}')
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000)
+    steps, start = 120, time.monotonic()
+    procs = {i: _train_group(i, lighthouse.address(), tmp_path, steps) for i in range(3)}
+    try:
+        log = tmp_path / "group1" / "log.txt"
+        while f"step 5/{steps}" not in log.read_text(errors="replace"):
+            assert procs[1].poll() is None and time.monotonic() - start < TRAIN_WALL_S, log.read_text()[-3000:]
+            time.sleep(0.1)
+        procs[1].kill()
+        procs[1].wait()
+        procs[1] = _train_group(1, lighthouse.address(), tmp_path, steps)
+        for i, proc in procs.items():
+            proc.wait(timeout=max(1.0, TRAIN_WALL_S - (time.monotonic() - start)))
+    finally:
+        for proc in procs.values():
+            proc.kill()
+        lighthouse.shutdown()
+    logs = {i: (tmp_path / f"group{i}" / "log.txt").read_text(errors="replace")[-3000:] for i in procs}
+    assert all(proc.returncode == 0 for proc in procs.values()), logs
+    summaries = {i: json.loads((tmp_path / f"group{i}" / "summary.json").read_text()) for i in procs}
+    assert all(s["steps"] == steps for s in summaries.values()), logs
+    assert summaries[1]["torchft"]["heals"] == 1 and summaries[1]["torchft"]["heal_bytes_received"] > 0
+    assert summaries[0]["torchft"]["rounds_discarded"] >= 1 and summaries[0]["torchft"]["steps_repeated"] >= 1
+    lrs = {i: _lrs(tmp_path / f"group{i}" / "metrics.csv") for i in procs}
+    assert max(lrs[0]) == steps and lrs[0] == lrs[2]
+    assert all(lrs[1][step] == lrs[0][step] for step in lrs[1]), (lrs[0], lrs[1])   # one schedule

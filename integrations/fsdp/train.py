@@ -255,7 +255,9 @@ replicate_bytes = int(rows[-1]["replicate_bytes"]) if rows and rows[-1]["replica
 loop_started = time.perf_counter()
 window = dict(loss=torch.zeros((), device=device), steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
 totals = dict(steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
-progress = tqdm(range(start_step + 1, end_step + 1), initial=start_step, total=end_step, desc=args.optimizer,
+steps = fault_tolerant.Steps(opt, scheduler, start_step, end_step) if args.fault_tolerant else \
+    range(start_step + 1, end_step + 1)   # (fault-tolerant: a step whose round is not committed runs again)
+progress = tqdm(steps, initial=start_step, total=end_step, desc=args.optimizer,
                 unit="step", disable=not master, mininterval=1.0, dynamic_ncols=True)
 replicas_checked_at = start_step
 profile = step_profile.StepProfile(*args.profile_optimizer) if args.profile_optimizer and master else None
@@ -288,6 +290,8 @@ for step in progress:
         counter["replicate"] += stats["replicate"]["bytes_sent"]
         counter["shard"] += stats["shard"]["bytes_sent"]
     replicate_bytes += stats["replicate"]["bytes_sent"]
+    if args.fault_tolerant and not steps.kept(step):   # rolled back everywhere (fault_tolerant.py)
+        continue
 
     log_now, evaluate_now = training.log_and_eval(step, end_step, args)
     if log_now:
@@ -349,7 +353,7 @@ if master and totals["steps"]:
         "step_ms": round(1000 * totals["seconds"] / totals["steps"], 2),
         "opt_step_ms": round(1000 * totals["opt_seconds"] / totals["steps"], 2),
         "wall_s": round(time.perf_counter() - started, 1), "device": device.type,
-        **({"torchft": fault_tolerant.summary(opt)} if args.fault_tolerant else {}),
+        **({"torchft": fault_tolerant.summary(opt, steps)} if args.fault_tolerant else {}),
     }
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if args.summary_csv:
