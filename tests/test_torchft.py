@@ -208,6 +208,7 @@ def _lrs(path):
         return {int(row["step"]): row["lr"] for row in csv.DictReader(f) if row["lr"]}
 
 
+@pytest.mark.slow   # ~2 min: three train.py groups, one killed and restarted (CI runs the slow marker)
 def test_train_py_per_step_kill_restart_heals_and_finishes_the_same_steps(tmp_path):
     """Per-step Sign-Muon + Lion through train.py --fault-tolerant, 3 groups: group 1 is SIGKILLed at step 5 and
     restarted; the steps whose round broke run again (the lr schedule not advanced), the restarted group heals and
