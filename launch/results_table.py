@@ -165,6 +165,11 @@ SOURCES = {
                             "--tokenizer bpe --optimizer signmuon --nonmatrix-algorithm lion",
                             "As torchft_localsteps.csv, per-step Sign-Muon + Lion: a round per step, a step whose "
                             "round is not committed runs again (launch/torchft_table.py)."),
+    "sizes.csv": ("python launch/bench/sizes.py --sizes S M --configs ddp_adamw local_muon_H30_sign_mean_b128 "
+                  "muloco_H30 local_muon_H30_topk --steps 200   # (resumes: rows already there are kept)",
+                  "Issue 42's campaign, begun: the benchmark GPT at sizes S, M, L (integrations/model.SIZES), 4 "
+                  "replicas × 1 rank, one seed and one lr a row so far; x_fewer_bytes against ddp_adamw of the same "
+                  "size and steps. Only size S has rows yet."),
     "step_time.csv": ("python launch/bench/step_time.py",
                       "Optimizer step time and state memory per matrix (one GPT-2-small layer's four shapes and "
                       "2048²), all optimizers in one interleaved run, as ratios to fp32 Muon on the same matrix (CPU "

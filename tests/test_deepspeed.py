@@ -603,9 +603,9 @@ def test_shardopt_section_keys_before_0_3_still_work_with_a_deprecation_warning(
     DeprecationWarning; both spellings at once is an error naming both."""
     from shardopt.deepspeed import config as ds_config
     base = {"optimizer": {"type": "SignMuon", "params": {"lr": 1e-3}}, "train_micro_batch_size_per_gpu": 1}
-    new = ds_config.plan({**base, "shardopt": {"nonmatrix_algorithm": "lion", "nonmatrix": {"lr": 1e-2}}}).section
+    new = ds_config.plugin_setup({**base, "shardopt": {"nonmatrix_algorithm": "lion", "nonmatrix": {"lr": 1e-2}}}).section
     with pytest.warns(DeprecationWarning, match="'scalar' is deprecated; call it 'nonmatrix'"):
-        old = ds_config.plan({**base, "shardopt": {"scalar_algorithm": "lion", "scalar": {"lr": 1e-2}}}).section
+        old = ds_config.plugin_setup({**base, "shardopt": {"scalar_algorithm": "lion", "scalar": {"lr": 1e-2}}}).section
     assert old == new
     with pytest.raises(ValueError, match="both 'scalar' and 'nonmatrix'"):
-        ds_config.plan({**base, "shardopt": {"scalar": {"lr": 1}, "nonmatrix": {"lr": 1}}})
+        ds_config.plugin_setup({**base, "shardopt": {"scalar": {"lr": 1}, "nonmatrix": {"lr": 1}}})

@@ -89,7 +89,9 @@ def _accelerate(poison):
     none on the CPU (fp16 mixed precision there gives it no scaler), so the test hands it one."""
     import os
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     import shardopt.accelerate
+    AcceleratorState._reset_state(reset_partial_state=True)   # a worker forked after another module's Accelerate
     os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29599")   # (the pool's process group exists already)
     accelerator = Accelerator(cpu=True)

@@ -258,7 +258,7 @@ def test_bit_hash_in_chunks_equals_the_whole_sum(monkeypatch):
 def test_deepspeed_config_passes_the_option_through():
     """"optimizer": {"params": {"double_averaging_check_every": N}} reaches the optimizer's constructor."""
     config = pytest.importorskip("shardopt.deepspeed.config")
-    plan = config.plan({"optimizer": {"type": "SignMuon", "params": {"lr": 0.01, "double_averaging_check_every": 0}}})
+    plan = config.plugin_setup({"optimizer": {"type": "SignMuon", "params": {"lr": 0.01, "double_averaging_check_every": 0}}})
     assert plan.options["double_averaging_check_every"] == 0
 
 

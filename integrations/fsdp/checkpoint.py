@@ -12,8 +12,6 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from shardopt.optim.replicas import checkpoint_exchange
-
 
 def step_path(directory: Path, step: int, replica: tuple | None = None) -> Path:
     """step_NNNNNN, or its replica_R folder when `replica` = (R, its process group) is given."""
@@ -26,7 +24,7 @@ def save(directory: Path, step: int, model, opt, scheduler, replica: tuple | Non
     (opt.synchronize_for_checkpoint; with `replica`, each replica writes its own instead), and the
     checkpoint's traffic is not counted as a step's."""
     if replica is None:
-        opt.synchronize_for_checkpoint(checkpoint_exchange(opt))
+        opt.synchronize_for_checkpoint()   # the exact fp32 mean: a resume on another mesh follows the mean gradient
     model_state, optim_state = get_state_dict(model, opt)
     dcp.save({"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()},
              checkpoint_id=step_path(directory, step, replica), process_group=replica[1] if replica else None)

@@ -14,7 +14,7 @@ process groups of their own (`exchange_axes`), counted in with the axis they sta
 The step's other collectives have their formulas beside the code that issues them: once per step
 the non-finite check, AR(4); at step 1 and every N = `double_averaging_check_every` steps after,
 the double-averaging check, AR(24) (3 int64), and AR(2) on each other agreement axis; per checkpoint the
-agreement on the decoupled momenta (replicas.checkpoint_bytes, `describe_checkpoint`). AR(x) =
+agreement on the decoupled momenta (replicas.checkpoint_bytes, `checkpoint_cost`). AR(x) =
 2·x·(M−1)/M (comm.collective_bytes).
 """
 
@@ -27,7 +27,7 @@ from ..wire.comm import Axes, Axis, CountingAxis, collective_bytes
 from ..algorithms.hyperparams import state_dtype
 from ..layout.placement import derive_meshes, local
 from .plan import group_steps, plan_group
-from .replicas import checkpoint_bytes, checkpoint_exchange
+from .replicas import CHECKPOINT_EXCHANGE, checkpoint_bytes, checkpoint_exchange
 from ..algorithms.registry import algorithm
 from .schedule import pipeline
 
@@ -116,32 +116,28 @@ def describe_optimizer(optimizer, replicas: int | None = None) -> str:
     """`describe` of a ShardOptimizer's groups, with its settings and axes, at `replicas` replicas (default:
     its replicate axis's size)."""
     replicas = optimizer.replicate.size if replicas is None else replicas
-    return "\n".join([describe(optimizer.param_groups, replicas, optimizer.bucket_bytes, clipping=optimizer.max_norm > 0,
-                                double_averaging_check_every=optimizer.double_averaging_check_every,
-                                shard=optimizer.shard, tensor=optimizer.tensor),
-                       *describe_checkpoint(optimizer, replicas)])
+    return describe(optimizer.param_groups, replicas, optimizer.bucket_bytes, clipping=optimizer.max_norm > 0,
+                    double_averaging_check_every=optimizer.double_averaging_check_every, shard=optimizer.shard,
+                    tensor=optimizer.tensor, checkpoint=checkpoint_exchange(optimizer))
 
 
-def describe_checkpoint(optimizer, replicas: int) -> list[str]:
-    """The line saying what a checkpoint costs on the replicate axis (replicas.py), with more than one replica."""
-    exchange = checkpoint_exchange(optimizer)
-    agreed = checkpoint_bytes(optimizer.param_groups, replicas, exchange)
-    exact = checkpoint_bytes(optimizer.param_groups, replicas, "mean")
-    if not exact:
-        return []
-    return [f"shardopt: checkpoint: +{agreed:,} B on the replicate axis per save, to agree on the decoupled momenta "
-            f"through {exchange!r} (the framework adapters' checkpoint_exchange; {exact:,} B with \"mean\", the "
-            f"exact fp32 mean that synchronize_for_checkpoint() takes by default)"]
+def checkpoint_cost(groups: list[dict], replicas: int, exchange: str) -> str:
+    """What a checkpoint costs on the replicate axis (replicas.py), said after the whole model's bytes ("" with
+    nothing to agree on)."""
+    agreed, exact = (checkpoint_bytes(groups, replicas, name) for name in (exchange, "mean"))
+    return f"; a checkpoint: +{agreed:,} B on the replicate axis per save, the decoupled momenta agreed through " \
+           f"{exchange!r} ({exact:,} B with \"mean\": docs/design.md §6)" if exact else ""
 
 
 def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clipping: bool = False,
              double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY, shard: Axis | None = None,
-             tensor: Axis | None = None) -> str:
+             tensor: Axis | None = None, checkpoint: str = CHECKPOINT_EXCHANGE) -> str:
     """One line per group (algorithm, tensors, elements, replicate-axis bytes per step on this rank),
     a group whose algorithm has phases (1-bit Adam: warm-up, then 1-bit) shows each phase's bytes and counts
     its last in the whole model; then the whole model (the non-finite check and, with `clipping`, the agreed clip norm — one float
     all-reduced each — included) against a float32 all-reduce of every parameter, then (with more than
-    one replica and the check on) the double-averaging check's bytes at the steps it runs."""
+    one replica and the check on) the double-averaging check's bytes at the steps it runs. `checkpoint`: the
+    exchange a checkpoint agrees the momenta through (the framework adapters' `checkpoint_exchange`)."""
     lines, numel_total = [], 0
     total = nonfinite_check_bytes(replicas) * (2 if clipping else 1)
     if shard is None or tensor is None:
@@ -157,7 +153,8 @@ def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCK
     baseline = allreduce_bytes(numel_total, torch.float32, replicas)
     ratio = f"1/{baseline / total:.1f} of" if total else "vs"
     lines.append(f"shardopt: whole model, {replicas} replicas: {total:,} B/step on the replicate axis per rank, "
-                 f"{ratio} a float32 all-reduce of every parameter ({baseline:,} B)")
+                 f"{ratio} a float32 all-reduce of every parameter ({baseline:,} B)"
+                 f"{checkpoint_cost(groups, replicas, checkpoint)}")
     check = double_averaging_check_bytes(replicas)
     if check and double_averaging_check_every:
         lines.append(f"shardopt: double-averaging check: +{check:,} B on the replicate axis at step 1 and every "
