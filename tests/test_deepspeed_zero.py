@@ -188,9 +188,9 @@ def test_bf16_stage_2_with_lion_trains_identically_and_the_client_path_matches(p
         assert same and client_stage == 1
 
 
-def _checkpoint_resumes(directory, stage):
+def _checkpoint_resumes(directory, stage, precision="fp32"):
     _env()
-    config = _config("SignMuon", stage, MESH, vote="allreduce_int8")
+    config = _config("SignMuon", stage, MESH, precision=precision, vote="allreduce_int8")
     saving, *_ = sds.initialize(model=_model(), config=config)
     _steps(saving, 3)
     saving.save_checkpoint(directory, tag="step3")
@@ -205,14 +205,23 @@ def _checkpoint_resumes(directory, stage):
     _steps(resumed, 3)
     diff = max((a - b).abs().max().item() for a, b in zip(saving.module.parameters(), resumed.module.parameters()))
     own_file = os.path.exists(os.path.join(directory, "step3", f"shardopt_zero_rank{dist.get_rank()}.safetensors"))
+    if precision == "bf16":   # the fp32 master copies too: only this rank's own, bitwise those of the saving run
+        masters = [(a, b) for a, b in zip(sds.shard_optimizer(saving)._slots(), sds.shard_optimizer(resumed)._slots())]
+        diff = max([diff] + [(a - b).abs().max().item() for a, b in masters if a.numel() or b.numel()])
+        owned_state = (owned_state, sum(a.numel() for a, _ in masters))
     return path is not None, own_file, diff, owned_state, len(sds.shard_optimizer(saving).state)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_engine_checkpoint_at_zero_stage_resumes_on_the_same_trajectory(pool, tmp_path, stage):
-    """Each rank writes its own partition next to DeepSpeed's files and reads it back."""
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "fp32"), (2, "bf16")])
+def test_engine_checkpoint_at_zero_stage_resumes_on_the_same_trajectory(pool, tmp_path, stage, precision):
+    """Each rank writes its own partition next to DeepSpeed's files and reads it back; in bf16 at stage 2 its
+    fp32 master copies of the params it owns (masters.py), which are all it holds."""
+    total = sum(p.numel() for p in _model().parameters())
     for loaded, own_file, diff, owned_state, saving_state in pool.run(_checkpoint_resumes, str(tmp_path), stage,
-                                                                      timeout_s=TIMEOUT_S):
+                                                                      precision, timeout_s=TIMEOUT_S):
+        if precision == "bf16":
+            owned_state, master_elements = owned_state
+            assert master_elements < 0.75 * total   # masters of the owned params only (about half here)
         assert loaded and own_file
         assert diff == 0
         assert owned_state == saving_state    # only this rank's partition

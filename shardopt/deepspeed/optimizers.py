@@ -163,7 +163,8 @@ class _EngineSide:
     @torch.no_grad()
     def replicas_consistent(self) -> bool:
         """True when every parameter is bitwise equal on every data-parallel rank (both axes)."""
-        return super().replicas_consistent() and replicas_equal([local(p) for p in self._slots()], self.node)
+        weights = self._slots() if self.zero is None or self.zero.weights is None else self.zero.weights   # masters.py
+        return super().replicas_consistent() and replicas_equal([local(p) for p in weights], self.node)
 
 
 class DeepSpeedDion(_EngineSide, Dion):

@@ -11,6 +11,7 @@ inert: a step on non-zero gradients raises). What is changed, and why (shardopt/
 | engine | `enable_backward_allreduce` | False: backward leaves local gradients, the optimizer exchanges |
 | engine | `backward` | fp16: the loss scale (DeepSpeed#8393); ZeRO 2: each gradient reduced to its owner; before the accumulation boundary under `optimizer.accumulating()` (overlap_backward) |
 | engine | `save_checkpoint`, `load_checkpoint` | ZeRO 1/2: each rank's own partition next to DeepSpeed's files; local steps: each rank's optimizer state and params |
+| fp16/bf16 wrapper | `fp16_groups`, `fp32_groups`, `load_state_dict`; the masters of slots owned elsewhere | ZeRO 2: fp32 master copies only for the owned slots, the gather into the model's params (masters.py) |
 | fp16/bf16 wrapper | `overflow_checker` | a check agreed over all data-parallel ranks |
 | fp16/bf16 wrapper | `checkpoint_event_prologue` | the momenta averaged before DeepSpeed gathers the state |
 | fp16/bf16 wrapper | `_skip_invalid_grad_norm` | local steps: a skipped step still counts towards the round; overlap_backward: the work begun in backward is dropped |
@@ -27,7 +28,7 @@ import os
 import torch
 
 from ..checkpoint import load_optimizer_state, load_tensors, save_optimizer_state, save_tensors
-from . import internals
+from . import internals, masters
 from .optimizers import AgreedOverflowCheck, DeepSpeedLocalSteps, engine_side
 from .zero import BackwardReducer
 
@@ -45,10 +46,16 @@ class Patches:
         self._done.append((obj, name, vars(obj).get(name, _ABSENT)))
         setattr(obj, name, value)
 
+    def on_undo(self, restore) -> None:
+        """Call restore() when undo() reaches this point (what no attribute records, e.g. a tensor's storage)."""
+        self._done.append((None, restore, None))
+
     def undo(self) -> None:
         while self._done:
             obj, name, old = self._done.pop()
-            if old is _ABSENT:
+            if obj is None:
+                name()
+            elif old is _ABSENT:
                 delattr(obj, name)
             else:
                 setattr(obj, name, old)
@@ -87,6 +94,8 @@ class EngineWiring:
             self.patches.set(wrapper, "overflow_checker", AgreedOverflowCheck(model_params, side))
             self.patches.set(wrapper, "checkpoint_event_prologue", side.checkpoint_event_prologue)
             self._wrap_skipped_steps()
+            if masters.applies(self):
+                masters.own_masters_only(self)
         self._wrap_backward(model_params)
         if (side.zero is not None and side.zero.stage >= 1) or self.local_steps or getattr(side, "per_replica_state", False):
             self._wrap_checkpoints()   # per_replica_state: 1-bit Adam's error feedback (deepspeed/onebit.py)
@@ -129,7 +138,8 @@ class EngineWiring:
         them back, so a resumed run continues the saving run's trajectory, mid-round too. The same world
         size and mesh are needed to load (the files of each rank hold that rank's state)."""
         engine, optimizer = self.engine, self.optimizer
-        params = self.side._slots()
+        params, fp32 = self.side._slots(), [master for _, master in self.masters]
+        kinds = ("zero", *(("params",) if self.local_steps else ()), *(("masters",) if masters.applies(self) else ()))
         save, load = engine.save_checkpoint, engine.load_checkpoint
         save_signature = inspect.signature(internals.unwrapped(type(engine).save_checkpoint))
 
@@ -141,21 +151,22 @@ class EngineWiring:
             tag = f"global_step{engine.global_steps}" if tag is None else tag   # DeepSpeed's default tag
             result = save(save_dir, *args, **kwargs)
             save_optimizer_state(optimizer, own_file(os.path.join(save_dir, str(tag))))   # each rank reads its own
-            if self.local_steps:
-                save_tensors(params, own_file(os.path.join(save_dir, str(tag)), "params"))
+            for what in kinds[1:]:   # params: local steps; masters: this rank's fp32 master copies (masters.py)
+                save_tensors(params if what == "params" else fp32, own_file(os.path.join(save_dir, str(tag)), what))
             return result
 
         def load_checkpoint(load_dir, *args, **kwargs):
             path, client_state = load(load_dir, *args, **kwargs)
             if path is not None:
-                own = [own_file(os.path.dirname(path), what)
-                       for what in (("zero", "params") if self.local_steps else ("zero",))]
+                own = [own_file(os.path.dirname(path), what) for what in kinds]
                 missing = [name for name in own if not os.path.exists(name)]
                 if missing:
                     raise FileNotFoundError(f"{missing[0]} not found: the checkpoint was not written by shardopt "
                                             f"{'with local steps' if self.local_steps else 'at ZeRO stage 1/2'} "
                                             f"with this world size ({torch.distributed.get_world_size()} ranks)")
                 load_optimizer_state(optimizer, own[0])
+                if "masters" in kinds:
+                    load_tensors(fp32, own[1])
                 if self.local_steps:
                     load_tensors(params, own[1])
                     with torch.no_grad():   # the model's fp16/bf16 weights from the masters, as the wrapper's step does

@@ -58,6 +58,7 @@ class ZeroPartition:
     def __init__(self, shapes: list[torch.Size], node: Axis, stage: int, costs: list[int] | None = None):
         """costs: what each slot's optimizer state weighs (default: its element count), balanced over owners."""
         self.node, self.stage = node, stage
+        self.weights = None   # where gather_weights writes, when not the optimizer's params (masters.py)
         self.sizes = [int(torch.Size(shape).numel()) for shape in shapes]
         self.costs = costs or self.sizes
         self.owners = assign_owners(self.costs, node.size) if stage >= 1 else [node.rank] * len(shapes)
@@ -110,11 +111,14 @@ class ZeroPartition:
     @torch.no_grad()
     def gather_weights(self, params: list[torch.Tensor]) -> None:
         """Stages 1/2: every rank's params ← their owners' (all-gather over the node axis, in the
-        params' widest dtype, so the copy is exact)."""
+        params' widest dtype, so the copy is exact). With `weights` set (the model's params, whose masters
+        this rank holds only where it owns them: masters.py) the other slots' gathered weights go there, in
+        their dtype: the owners' params rounded to it as the fp16/bf16 wrapper's copy rounds them."""
         if self.stage == 0 or self.node.size == 1:
             return
-        dtype = params[0].dtype
-        for param in params:
+        targets = self.weights if self.weights is not None else params
+        dtype = targets[0].dtype
+        for param in targets:
             dtype = torch.promote_types(dtype, param.dtype)
         mine = [i for i in self.order if self.owns(i)]
         base = self.node.rank * self.chunk
@@ -122,7 +126,7 @@ class ZeroPartition:
         for i in mine:
             chunk[self.offsets[i] - base:self.offsets[i] - base + self.sizes[i]].copy_(params[i].reshape(-1))
         gathered = self.node.all_gather(chunk).reshape(-1)
-        for i, param in enumerate(params):
+        for i, param in enumerate(targets):
             if not self.owns(i):
                 param.copy_(gathered[self.offsets[i]:self.offsets[i] + self.sizes[i]].view(param.shape))
 
