@@ -165,6 +165,12 @@ SOURCES = {
                             "--tokenizer bpe --optimizer signmuon --nonmatrix-algorithm lion",
                             "As torchft_localsteps.csv, per-step Sign-Muon + Lion: a round per step, a step whose "
                             "round is not committed runs again (launch/torchft_table.py)."),
+    "deepspeed_zero_memory.csv": ("DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 launch/bench/deepspeed_zero_memory.py "
+                                  "--label after",
+                                  "Bytes per parameter per rank by kind (weights, fp32 masters, gradients, optimizer "
+                                  "state, buffers), the DeepSpeed plugin's Sign-Muon bf16 at ZeRO 2 on a 2 × 2 mesh "
+                                  "against DeepSpeed's own ZeRO 2 AdamW bf16 on the same 4 CPU ranks; `before` rows: "
+                                  "the plugin before its masters were cut to the owned slots (issue 43)."),
     "sizes.csv": ("python launch/bench/sizes.py --sizes S M --configs ddp_adamw local_muon_H30_sign_mean_b128 "
                   "muloco_H30 local_muon_H30_topk --steps 200   # (resumes: rows already there are kept)",
                   "Issue 42's campaign, begun: the benchmark GPT at sizes S, M, L (integrations/model.SIZES), 4 "
