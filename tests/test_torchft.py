@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 torchft = pytest.importorskip("torchft")
+# a log handle or a child process the pytest process forgets fails the test (a leak outlives the test until exit)
+pytestmark = [pytest.mark.filterwarnings("error::ResourceWarning"),
+              pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")]
 
 ROOT = Path(__file__).resolve().parents[1]
 WALL_S = 150
@@ -26,13 +29,27 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _spawn(command, log_path, env, cwd=None):
+    """Start `command` with stdout and stderr appended to `log_path`. The child holds its own copy of the log's
+    descriptor, so the pytest process closes its handle at once rather than holding one per process to exit."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _stop(procs):
+    """Kill and reap every process of `procs` (a no-op for those that have exited)."""
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
 def _start_group(index, ranks, lighthouse, out, args):
     port, env = _port(), {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "torchft_replica.py"), "--replica-id", str(index),
-                              "--lighthouse", lighthouse, "--out", str(out), *args],
-                             env={**env, "RANK": str(r), "WORLD_SIZE": str(ranks), "MASTER_PORT": str(port)},
-                             stdout=subprocess.DEVNULL, stderr=open(out.parent / f"group{index}_rank{r}.log", "ab"))
-            for r in range(ranks)]   # (each group's log beside the records, for a failure's reason)
+    return [_spawn([sys.executable, str(ROOT / "tests" / "torchft_replica.py"), "--replica-id", str(index),
+                    "--lighthouse", lighthouse, "--out", str(out), *args],
+                   out.parent / f"group{index}_rank{r}.log",   # beside the records, for a failure's reason
+                   env={**env, "RANK": str(r), "WORLD_SIZE": str(ranks), "MASTER_PORT": str(port)})
+            for r in range(ranks)]
 
 
 def run_groups(tmp_path, groups, ranks=1, common=(), per_group=None, restart=None, min_replicas=2):
@@ -52,14 +69,11 @@ def run_groups(tmp_path, groups, ranks=1, common=(), per_group=None, restart=Non
             time.sleep(0.2)
             for i, group in procs.items():
                 if i == restart and restarts == 0 and any(p.poll() == -9 for p in group):
-                    for p in group:
-                        p.kill()
-                        p.wait()
+                    _stop(group)
                     procs[i], restarts = _start_group(i, ranks, lighthouse.address(), out, base), 1
     finally:
         for group in procs.values():
-            for p in group:
-                p.kill()
+            _stop(group)
         lighthouse.shutdown()
     records = [json.loads(line) for line in out.read_text().splitlines()]
     return records, restarts, {i: [p.returncode for p in group] for i, group in procs.items()}
@@ -199,7 +213,7 @@ def _train_group(index, lighthouse, tmp_path, steps):
                "--optimizer", "signmuon", "--nonmatrix-algorithm", "lion", "--data-dir", str(tmp_path),
                "--steps", str(steps), "--warmup", "10", "--log-every", "1", "--eval-every", str(steps),
                "--eval-batches", "1", "--timeout", "5", "--quorum-timeout", "60", "--out-dir", str(out)]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=open(out / "log.txt", "ab"), stderr=subprocess.STDOUT)
+    return _spawn(command, out / "log.txt", env=env, cwd=ROOT)
 
 
 def _lrs(path):
@@ -226,14 +240,12 @@ def test_train_py_per_step_kill_restart_heals_and_finishes_the_same_steps(tmp_pa
         while f"step 5/{steps}" not in log.read_text(errors="replace"):
             assert procs[1].poll() is None and time.monotonic() - start < TRAIN_WALL_S, log.read_text()[-3000:]
             time.sleep(0.1)
-        procs[1].kill()
-        procs[1].wait()
+        _stop([procs[1]])
         procs[1] = _train_group(1, lighthouse.address(), tmp_path, steps)
         for i, proc in procs.items():
             proc.wait(timeout=max(1.0, TRAIN_WALL_S - (time.monotonic() - start)))
     finally:
-        for proc in procs.values():
-            proc.kill()
+        _stop(procs.values())
         lighthouse.shutdown()
     logs = {i: (tmp_path / f"group{i}" / "log.txt").read_text(errors="replace")[-3000:] for i in procs}
     assert all(proc.returncode == 0 for proc in procs.values()), logs
