@@ -196,6 +196,40 @@ def test_an_inner_optimizer_with_the_manager_as_replicate_axis_is_refused():
         check_no_replicate_axis(inner)
 
 
+def test_a_healed_replica_takes_its_peers_double_averaging_schedule():
+    """heal_counters (wire/rounds.HealCounters) of both optimizers: what a peer saves, a healed replica loads, so
+    both run the double-averaging check at the same step and issue the same collectives (heal.py)."""
+    import torch
+
+    import shardopt
+    from shardopt.wire.rounds import HealCounters
+
+    def dion():
+        param = torch.nn.Parameter(torch.ones(4, 4))
+        return param, shardopt.Dion([param], lr=0.01)
+    (param, peer), (_, healed) = dion(), dion()
+    for _ in range(3):
+        param.grad = torch.ones(4, 4)
+        peer.step()
+    healed.heal_counters.load_counters(peer.heal_counters.save_counters())
+    assert isinstance(healed.heal_counters, HealCounters) and peer.steps_called == healed.steps_called == 3
+
+    def local_steps(check):
+        inner = torch.optim.SGD([torch.nn.Parameter(torch.ones(4))], lr=0.1)
+        return shardopt.LocalSteps(inner, replicate_mesh=None, sync_every=2, double_averaging_check=check)
+    peer, healed = local_steps(False), local_steps(True)   # the peer's check is done, the joiner's not yet
+    healed.heal_counters.load_counters(peer.heal_counters.save_counters())
+    assert isinstance(healed.heal_counters, HealCounters) and healed.checks.double_averaging_checked
+
+
+def test_an_optimizer_without_heal_counters_cannot_heal():
+    from torchft.manager import Manager
+
+    from shardopt.torchft.heal import Healing
+    with pytest.raises(TypeError, match="heal_counters"):
+        Healing(object.__new__(Manager), object(), per_step=True)
+
+
 def test_the_torchft_privates_are_where_the_catalogue_says():
     from shardopt.torchft import internals
     internals.check()

@@ -111,6 +111,14 @@ class SyncChecks:
                        "%d params is discarded on every replica (θ ← θ_outer)", step, params)
         return True
 
+    def save_counters(self) -> dict:
+        """Whether the once-only double-averaging check has run, which a healed replica copies
+        (wire/rounds.HealCounters)."""
+        return {"double_averaging_checked": self.double_averaging_checked}
+
+    def load_counters(self, counters: dict) -> None:
+        self.double_averaging_checked = bool(counters["double_averaging_checked"])
+
     def check_double_averaging(self, x: torch.Tensor, step: int) -> None:
         if not self.double_averaging_checked and self.replicate.size > 1:
             self.double_averaging_checked = check_not_double_averaged(

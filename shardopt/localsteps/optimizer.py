@@ -98,10 +98,9 @@ class LocalSteps(OptimizerAround):
         self.steps = 0
         self._fragments: list[Fragment] = []   # built with the state, at the first step (or load)
 
-    @property
-    def discarded_rounds(self) -> int:
-        """Rounds discarded on every replica for a non-finite pseudo-gradient on some replica."""
-        return self.checks.discarded_rounds
+    discarded_rounds = property(lambda self: self.checks.discarded_rounds,
+                                doc="Rounds discarded on every replica for a non-finite pseudo-gradient on some replica.")
+    heal_counters = property(lambda self: self.checks)   # what torchft healing copies (wire/rounds.HealCounters)
 
     # ---- state and fragments ----------------------------------------------------------------------
     def _partition(self) -> list[list[torch.Tensor]]:

@@ -137,6 +137,13 @@ class StepAgreement:
                            "replicate_mesh=mesh['replicate'] (docs/design.md §9)")
         return StepDecision(stepping, bool(extra and anywhere[-1]))
 
+    def save_counters(self) -> dict:
+        """The double-averaging schedule's count, which a healed replica copies (wire/rounds.HealCounters)."""
+        return {"steps_called": self.steps_called}
+
+    def load_counters(self, counters: dict) -> None:
+        self.steps_called = int(counters["steps_called"])
+
     def _check_not_double_averaged(self, params, replicate: Axis, agreement_axes, device) -> None:
         """At the scheduled steps (with more than one replica), raise DoubleAveragingError on every
         rank alike when the replicas' local gradients are bitwise identical (guard.py). Raising, or

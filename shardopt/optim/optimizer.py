@@ -118,6 +118,7 @@ class ShardOptimizer(torch.optim.Optimizer):
     steps_called = property(lambda self: self.agreement.steps_called)
     nonfinite = property(lambda self: self.agreement.nonfinite)
     double_averaging_check_every = property(lambda self: self.agreement.double_averaging_check_every)
+    heal_counters = property(lambda self: self.agreement)   # what torchft healing copies (wire/rounds.HealCounters)
 
     def add_param_group(self, param_group: dict) -> None:
         param_group.setdefault("algorithm", self.matrix_algorithm)

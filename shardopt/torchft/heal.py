@@ -8,7 +8,8 @@ rank heals from the same shard rank of the peer):
                 round and step counts (the vote's coin seeds follow from them) and the inner
                 optimizer's state; Dion / Sign-Muon: momenta, Q, step counts
     params      the params (per-step optimizers only: LocalSteps sets θ ← θ_outer at the round's end)
-    counters    what decides which collectives a step issues (the double-averaging schedule)
+    counters    what decides which collectives a step issues (the double-averaging schedule): the
+                optimizer's `heal_counters` (wire/rounds.HealCounters), saved and loaded by their owner
 
 Left out: the error feedback e. It is a replica's own residual (what the wire dropped from *its* x);
 a copy of a peer's would be carried into the next sync twice, so a healed replica starts with e = 0.
@@ -89,6 +90,9 @@ class Healing:
         if serves_key(manager, KEY):
             raise ValueError("this torchft.Manager already serves a shardopt optimizer; build one manager per "
                              "optimizer (LocalSteps: pass the manager to LocalSteps only, not to its inner optimizer)")
+        if not hasattr(type(owner), "heal_counters"):   # (on the class: the owner attaches before it holds them)
+            raise TypeError(f"{type(owner).__name__} cannot heal from a torchft peer: it has no heal_counters "
+                            f"(a shardopt.wire.rounds.HealCounters)")
         self.owner, self.per_step = owner, per_step
         self.sent_bytes = self.received_bytes = self.heals = 0
         manager.register_state_dict_fn(KEY, self.load, self.save)
@@ -96,16 +100,11 @@ class Healing:
     def _params(self) -> list:
         return [p for group in self.owner.param_groups for p in group["params"]]
 
-    def _counters(self) -> dict:
-        agreement = getattr(self.owner, "agreement", None)
-        checks = getattr(self.owner, "checks", None)   # LocalSteps' SyncChecks
-        return {"steps_called": getattr(agreement, "steps_called", 0),
-                "checked_double_averaging": getattr(checks, "double_averaging_checked", True)}
-
     @torch.no_grad()
     def save(self) -> dict:
         state_dict = self.owner.state_dict()
-        payload = {"optimizer": to_wire(_without_error(state_dict)), "counters": self._counters()}
+        payload = {"optimizer": to_wire(_without_error(state_dict)),
+                   "counters": self.owner.heal_counters.save_counters()}
         if self.per_step:
             payload["params"] = [to_wire(local(p)) for p in self._params()]
         self.sent_bytes += tensor_bytes(payload)
@@ -121,11 +120,7 @@ class Healing:
         for entry in self.owner.state.values():   # e = 0: a replica's own residual (module docstring)
             if "outer_error" in entry:
                 local(entry["outer_error"]).zero_()
-        counters = payload["counters"]
-        if getattr(self.owner, "agreement", None) is not None:
-            self.owner.agreement.steps_called = counters["steps_called"]
-        if getattr(self.owner, "checks", None) is not None:
-            self.owner.checks.double_averaging_checked = counters["checked_double_averaging"]
+        self.owner.heal_counters.load_counters(payload["counters"])
         self.received_bytes += tensor_bytes(payload)
         self.heals += 1
         self.owner.replicate.healed = True

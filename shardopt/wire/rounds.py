@@ -8,7 +8,26 @@ makes each round a quorum of the live replica groups, with healing and an agreed
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
+
+
+@runtime_checkable
+class HealCounters(Protocol):
+    """What a replica that heals copies from a live peer beyond the optimizer's state_dict(): the counters that
+    decide which collectives its coming steps issue (the double-averaging check's schedule), so that it issues the
+    same ones as its peers (shardopt/torchft/heal.py). The optimizer that attaches to an axis holds one as
+    `heal_counters`: ShardOptimizer its StepAgreement (optim/agreement.py), LocalSteps its SyncChecks
+    (localsteps/checks.py), the modules that own the counters."""
+
+    def save_counters(self) -> dict:
+        """The counters by name, as plain Python values (they travel in the heal payload)."""
+        ...
+
+    def load_counters(self, counters: dict) -> None:
+        """Take a peer's `save_counters()`."""
+        ...
 
 
 class Rounds:
@@ -17,7 +36,8 @@ class Rounds:
     contributors = property(lambda self: self.size, doc="replicas whose input a mean averages (torchft: this round's)")
 
     def attach(self, owner, per_step: bool) -> None:
-        """Called once by the optimizer that holds this axis (torchft: healing, and a round per step)."""
+        """Called once by the optimizer that holds this axis (torchft: healing, which copies its `heal_counters`,
+        a HealCounters, and a round per step)."""
 
     def begin_round(self) -> None:
         """Before a replicate exchange (torchft: the quorum)."""
