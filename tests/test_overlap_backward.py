@@ -84,7 +84,7 @@ def _setup(kind, algorithm, nonmatrix, options, overlap):
 
 
 def _exchange_calls(opt):
-    return sum(axis.calls for axis in opt.exchange_axes)
+    return sum(axis.calls for axis in opt.bucket_step_axes)
 
 
 def _train(kind, algorithm, nonmatrix, options, overlap, steps=3, micro=1, nan_at=None, extra_on=None,

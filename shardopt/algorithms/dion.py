@@ -132,9 +132,9 @@ def work_ranks(layout: MatrixLayout, group: dict, replicas: int) -> int:
     return inner * (replicas if compressed(layout, group) else 1)
 
 
-def exchange(group: dict, layout: MatrixLayout, numel: int, replicas: int) -> FactorMean:
-    """The bucket's exchange: P and R in the group's wire dtype when low rank saves bytes, else the
-    gradient mean (exchange.FactorMean)."""
+def factor_exchange(group: dict, layout: MatrixLayout, numel: int, replicas: int) -> FactorMean:
+    """The bucket's replicate exchange (the record's `exchange`): P and R in the group's wire dtype when low
+    rank saves bytes, else the gradient mean (factors.FactorMean)."""
     return FactorMean(compressed(layout, group), getattr(torch, group["wire_dtype"]), rank_of(layout, group))
 
 
@@ -211,6 +211,6 @@ DION = Algorithm(
                      "qr_method": H.QR_METHOD, "wire_dtype": H.WIRE_DTYPE, "state_dtype": H.STATE_DTYPE,
                      "split": H.SPLIT},
     plan_keys=("rank_fraction", "rank_multiple_of", "wire_dtype", "split"),
-    init_state=init_state, state_shapes=state_shapes, step=step, options=options, exchange=exchange,
+    init_state=init_state, state_shapes=state_shapes, step=step, options=options, exchange=factor_exchange,
     describe_exchange=lambda group: f"rank_fraction {group['rank_fraction']:g}, {group['wire_dtype']} factors",
     b_side_state=("Q",), decoupled_momentum="momentum", momentum="mu", work_ranks=work_ranks)

@@ -76,8 +76,8 @@ def sum_shards_mean_replicas(P: torch.Tensor, shard: Axis, replicate: Axis, aver
     by_rows = torch.nn.functional.pad(P.permute(1, 0, 2), (0, 0, 0, 0, 0, rows - a))   # (rows, k, r)
     piece = yield shard.reduce_scatter(by_rows, async_op=True)                          # (rows/F, k, r)
     piece = yield from replicate_mean(piece, replicate, wire)
-    exchanged = piece.to(wire) if replicate.size > 1 else piece
-    gathered = yield shard.all_gather(exchanged, async_op=True)
+    sent = piece.to(wire) if replicate.size > 1 else piece   # what the all-gather carries: `wire` values, lossless
+    gathered = yield shard.all_gather(sent, async_op=True)
     return gathered.to(P.dtype).reshape(rows, k, r)[:a].permute(1, 0, 2)
 
 
@@ -138,9 +138,9 @@ def gathered_orthonormalize(P: torch.Tensor, a_axis: Axis, a_parts: tuple[int, .
         P = yield axis.all_reduce(P, "sum", async_op=True)
     if average_replicas:
         P = yield from replicate_mean(P, replicate, wire)
-    exchanged = P.to(wire) if average_replicas and replicate.size > 1 else P
+    sent = P.to(wire) if average_replicas and replicate.size > 1 else P   # (`wire` values after the mean: lossless)
     rows = max(a_parts)
-    padded = torch.nn.functional.pad(exchanged, (0, 0, 0, rows - P.shape[1]))
+    padded = torch.nn.functional.pad(sent, (0, 0, 0, rows - P.shape[1]))
     blocks = yield a_axis.all_gather(padded, async_op=True)                        # (A, k, ⌈a/A⌉, r)
     whole = torch.cat([block[:, :size] for block, size in zip(blocks, a_parts)], dim=1).to(P.dtype)
     start = sum(a_parts[:a_axis.rank])

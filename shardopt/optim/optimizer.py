@@ -110,7 +110,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         settings = {"seed": self.seed, "bucket_bytes": bucket_bytes, "double_averaging_check_every":
                     double_averaging_check_every, "overlap_backward": int(bool(overlap_backward))}
         check_ranks_agree(self._param_label.items(), self.param_groups, settings, self.axes, agreement_timeout_s)
-        self.exchange_axes = self.axes   # where the bucket steps' collectives go (private groups when overlapping)
+        self.bucket_step_axes = self.axes   # where the bucket steps' collectives go (private groups when overlapping)
         self.overlap_backward = overlap_backward
         self.reset_comm_stats()
 
@@ -260,11 +260,11 @@ class ShardOptimizer(torch.optim.Optimizer):
         return describe_optimizer(self, replicas)
 
     def comm_stats(self) -> dict:
-        """Bytes sent/received and calls per axis since construction or reset (overlap's `exchange_axes` counted in)."""
-        return comm_stats(self.axes, self.exchange_axes)
+        """Bytes sent/received and calls per axis since construction or reset (`bucket_step_axes` counted in)."""
+        return comm_stats(self.axes, self.bucket_step_axes)
 
     def reset_comm_stats(self) -> None:
-        reset_comm_stats(self.axes, self.exchange_axes)
+        reset_comm_stats(self.axes, self.bucket_step_axes)
 
     @torch.no_grad()
     def synchronize_for_checkpoint(self, exchange: str = "mean") -> None:

@@ -36,11 +36,12 @@ def new_state(optimizer, param) -> dict:
 def bucket_steps(optimizer, stepping: set, read_param, read_state, delivered: dict | None = None) -> tuple:
     """(units, their step generators) of the params in `stepping`: read_param / read_state: where a param's
     tensor and state are read and written; delivered: gradients handed over before they are `.grad`
-    (round.Round.arrive); the collectives go on the optimizer's `exchange_axes`."""
+    (round.Round.arrive); the collectives go on the optimizer's `bucket_step_axes`."""
     units = optimizer._plans.stepping_units(optimizer.param_groups, stepping, optimizer.replicate.size,
                                             optimizer.bucket_bytes, functools.partial(param_seed, optimizer),
                                             optimizer._param_index.__getitem__)
-    return units, unit_steps(optimizer.param_groups, units, read_param, read_state, optimizer.exchange_axes, delivered)
+    return units, unit_steps(optimizer.param_groups, units, read_param, read_state, optimizer.bucket_step_axes,
+                             delivered)
 
 
 def run_in_place(optimizer, stepping: set) -> None:

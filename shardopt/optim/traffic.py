@@ -9,7 +9,7 @@ bytes that the step sends, by construction: a new branch in a step cannot disagr
 tests keep one independent formula, tests/reference.py, and compare it with measured comm_stats()).
 
 What a rank did send is counted by its axes (`comm_stats`); with overlap_backward the bucket steps use
-process groups of their own (`exchange_axes`), counted in with the axis they stand for.
+process groups of their own (`bucket_step_axes`), counted in with the axis they stand for.
 
 The step's other collectives have their formulas beside the code that issues them: once per step
 the non-finite check, AR(4); at step 1 and every N = `double_averaging_check_every` steps after,
@@ -162,21 +162,21 @@ def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCK
     return "\n".join(lines)
 
 
-def distinct_axes(axes: Axes, exchange_axes: Axes) -> list[Axis]:
-    """The Axis objects of `axes` and `exchange_axes`, each once."""
-    return list({id(axis): axis for axis in (*axes, *exchange_axes)}.values())
+def distinct_axes(axes: Axes, bucket_step_axes: Axes) -> list[Axis]:
+    """The Axis objects of `axes` and `bucket_step_axes`, each once."""
+    return list({id(axis): axis for axis in (*axes, *bucket_step_axes)}.values())
 
 
-def comm_stats(axes: Axes, exchange_axes: Axes) -> dict:
+def comm_stats(axes: Axes, bucket_step_axes: Axes) -> dict:
     """Per axis name: bytes sent/received and calls issued since the last reset, summed over the axis and
-    its counterpart in `exchange_axes` where that is another Axis object."""
+    its counterpart in `bucket_step_axes` where that is another Axis object."""
     stats = {axis.name: dict.fromkeys(axis.stats(), 0) for axis in axes}
-    for axis in distinct_axes(axes, exchange_axes):
+    for axis in distinct_axes(axes, bucket_step_axes):
         stats[axis.name] = {key: value + axis.stats()[key] for key, value in stats[axis.name].items()}
     return stats
 
 
-def reset_comm_stats(axes: Axes, exchange_axes: Axes) -> None:
-    """Zero the counts of every Axis object of `axes` and `exchange_axes`."""
-    for axis in distinct_axes(axes, exchange_axes):
+def reset_comm_stats(axes: Axes, bucket_step_axes: Axes) -> None:
+    """Zero the counts of every Axis object of `axes` and `bucket_step_axes`."""
+    for axis in distinct_axes(axes, bucket_step_axes):
         axis.reset_stats()

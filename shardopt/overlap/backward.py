@@ -48,8 +48,8 @@ def switched(optimizer, value: bool) -> BackwardOverlap | None:
     if current is not None and current.started():
         raise RuntimeError("overlap_backward can change only between step() and the next backward: this "
                            "backward's exchange has started; call step() first")
-    if value and optimizer.exchange_axes is optimizer.axes:
-        optimizer.exchange_axes = Axes(*(axis.private() for axis in optimizer.axes))
+    if value and optimizer.bucket_step_axes is optimizer.axes:
+        optimizer.bucket_step_axes = Axes(*(axis.private() for axis in optimizer.axes))
     if current is not None:
         current.detach()
     return kind(optimizer) if value else None
