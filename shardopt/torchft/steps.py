@@ -16,7 +16,8 @@ from ..layout.placement import local
 
 
 class RoundKeeper:
-    """The step hooks of one optimizer (module docstring)."""
+    """The step hooks of one per-step optimizer, a ShardOptimizer (module docstring): its params, its state and
+    its StepAgreement's counters are what a discarded round puts back."""
 
     def __init__(self, axis, optimizer):
         self.axis, self.optimizer, self.snapshot = axis, optimizer, None
@@ -30,11 +31,10 @@ class RoundKeeper:
     @torch.no_grad()
     def _before(self, optimizer, args, kwargs) -> None:
         self.axis.begin_round()
-        agreement = getattr(optimizer, "agreement", None)
         self.snapshot = ({p: local(p).clone() for p in self._params()},
                          {p: {key: local(value).clone() if isinstance(value, torch.Tensor) else value
                               for key, value in optimizer.state[p].items()} for p in list(optimizer.state)},
-                         (agreement.steps_called, agreement.skipped_steps) if agreement is not None else None)
+                         (optimizer.agreement.steps_called, optimizer.agreement.skipped_steps))
 
     @torch.no_grad()
     def _after(self, optimizer, args, kwargs) -> None:
@@ -59,5 +59,4 @@ class RoundKeeper:
                     local(state[key]).copy_(value)
                 else:
                     state[key] = value
-        if counters is not None:
-            self.optimizer.agreement.steps_called, self.optimizer.agreement.skipped_steps = counters
+        self.optimizer.agreement.steps_called, self.optimizer.agreement.skipped_steps = counters
