@@ -92,6 +92,6 @@ FREEZE_STEP = Hyperparameter(DEFAULT_FREEZE_STEP, lambda group, key, index: H.in
 ONEBIT_ADAM = Algorithm(
     name="onebit_adam", matrix=False, state_keys=STATE_KEYS, init_state=init_state, state_shapes=state_shapes,
     step=step, options=options, exchange=lambda group, layout, numel, replicas: ONEBIT_MEAN,
-    describe_exchange=describe_exchange, phases=phases,
+    describe_exchange=describe_exchange, phases=phases, cuts_tensors=False,
     hyperparameters={"lr": H.LR, "weight_decay": H.WEIGHT_DECAY, "betas": H.BETAS, "epsilon": H.EPSILON,
                      "freeze_step": FREEZE_STEP})
