@@ -77,10 +77,12 @@ def _bucketed_run(algorithm, vote, bucket_bytes, steps=3):
     """Three steps of one element-wise group on this replica's own gradients; param 1 gets a zero gradient on
     every replica (Lion: every replica abstains there). Returns the params and state, flat."""
     rank = dist.get_rank()
-    params = _params()
+    params = _params()[:-1] if algorithm == "onebit_adam" else _params()   # (its exchange views its state flat)
     group = {"params": params, "algorithm": algorithm, "lr": 0.01, "weight_decay": 0.1}
     if algorithm == "lion":
         group["vote"] = vote
+    if algorithm == "onebit_adam":
+        group["freeze_step"] = 1   # steps 2 and 3 send the 1-bit momentum
     opt = shardopt.SignMuon([group], lr=0.01, replicate_mesh=dist.group.WORLD, seed=5, bucket_bytes=bucket_bytes)
     for step in range(steps):
         generator = torch.Generator().manual_seed(1000 * step + rank)
@@ -93,19 +95,25 @@ def _bucketed_run(algorithm, vote, bucket_bytes, steps=3):
             "state": [{k: v.clone() for k, v in opt.state[p].items()} for p in params]}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("algorithm, vote", [("lion", "alltoall_1bit"), ("lion", "allgather_1bit"),
-                                             ("lion", "allreduce_int8"), ("adamw", None)])
+CASES = [(world_size, "lion", vote) for world_size in (2, 4) for vote in ("alltoall_1bit", "allgather_1bit",
+                                                                      "allreduce_int8")]
+CASES += [(2, "adamw", None), (4, "adamw", None), (2, "onebit_adam", None)]
+
+
+@pytest.mark.parametrize("world_size, algorithm, vote", CASES)
 def test_bucketed_elementwise_step_equals_one_bucket_bitwise(pools, world_size, algorithm, vote):
     """bucket_bytes = 4·97 (97 fp32 entries a bucket, cuts inside params) against one bucket: the same params and
     state, bit for bit, on every replica; even M and a zero gradient give ties and abstentions (the coins).
-    AdamW's fp32 mean at M ≥ 3 is the one exception: a ring all-reduce (gloo's, NCCL's) sums an entry's M values
-    in an order set by where the entry sits in its message, so another cut may round the mean differently in
-    the last bit (docs/design.md §9); there it is pinned to fp32 rounding, and the replicas equal each other."""
+    1-bit Adam's buckets hold whole tensors (its scales are per tensor). AdamW's fp32 mean at M ≥ 3 is the one
+    exception: a ring all-reduce (gloo's, NCCL's) sums an entry's M values in an order set by where the entry
+    sits in its message, so another cut may round the mean differently in the last bit (docs/design.md §9);
+    there it is pinned to fp32 rounding, and the replicas equal each other. (1-bit Adam's warm-up mean has the
+    same last-bit freedom at M ≥ 3, and its frozen-variance steps divide by √v + ε: 1e-5 apart after 3 steps
+    at M = 4, measured; it is pinned at M = 2.)"""
     pool = pools(world_size)
     cut = pool.run(_bucketed_run, algorithm, vote, 4 * 97, timeout_s=TIMEOUT_S)
     whole = pool.run(_bucketed_run, algorithm, vote, ONE_BUCKET, timeout_s=TIMEOUT_S)
-    assert whole[0]["buckets"] == 1 and cut[0]["buckets"] > 10
+    assert whole[0]["buckets"] == 1 and cut[0]["buckets"] >= 5
     same = torch.equal if algorithm == "lion" or world_size <= 2 else \
         (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-7))
     for mine, theirs in zip(cut, whole):

@@ -15,8 +15,9 @@ As in DeepSpeed's (and the paper's Algorithm 1) there is no bias correction: Dee
 added to the update (decoupled, AdamW-like), as DeepSpeed's did. After the exchange every replica
 holds the same m, so the momentum is not decoupled; the errors e are each replica's own (state
 keys "worker_error" and "server_error", like the param; of the server error a replica uses the
-entries of the chunk it owns, wire/onebit.py). The exchange: one flat all-reduce per dtype in the
-warm-up, the 1-bit mean per dtype after it (2·(M−1)·(n/(8M) + 4T) bytes for n entries in T tensors).
+entries of the chunk it owns, wire/onebit.py). The exchange, per bucket of whole tensors of one dtype (at
+most bucket_bytes unless one tensor is larger: optim/plan.py): one flat all-reduce in the warm-up, the 1-bit
+mean after it (2·(M−1)·(n/(8M) + 4T) bytes for n entries in T tensors).
 """
 
 from __future__ import annotations

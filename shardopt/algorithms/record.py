@@ -42,7 +42,8 @@ class Algorithm:
     work_ranks(layout, group, replicas) → how many ranks share a bucket's work (a bucket holds a
         multiple of it: buckets.py).
     exchange(group, layout, numel, replicas) → the exchange of a bucket (exchange.py) of `numel`
-        local entries (layout None for an element-wise group, per dtype).
+        local entries (layout None for an element-wise group: per dtype, for all its entries; each bucket
+        takes it `starting_at` its first entry).
     describe_exchange(group) → a few words for describe().
     phases(group) → ((label, step), …): where the exchange changes with the step count (1-bit Adam's
         warm-up, then its 1-bit momentum), a step of each phase, whose bytes describe() reports;
