@@ -285,6 +285,9 @@ class Dion(ShardOptimizer):
     torch.float32, the precision of P and R on the replicate axis (rounded before the exchange).
     qr_method: "qr" (Householder, exact), "cholesky" or "rcqr" (randomized Cholesky-QR).
     state_dtype: dtype of the momentum and Q ("float32", "bfloat16", …; None: the param's).
+    matmul_dtype: "float32" or "bfloat16", what the inputs of the four large products (B·Q, Bᵀ·P, P·Rᵀ, P·Qᵀ)
+        are rounded to; None (default): bf16 on CUDA (tensor cores), the compute dtype on a CPU (docs/tuning.md
+        has the float64-reference tolerances of each; float32 follows torch's TF32 setting).
     `options`: seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize, bucket_bytes (see ShardOptimizer)."""
 
     matrix_algorithm = "dion"
@@ -292,10 +295,11 @@ class Dion(ShardOptimizer):
     def __init__(self, params, lr: float = 0.01, mu: float = 0.95, rank_fraction: float = 1.0,
                  rank_multiple_of: int = 1, weight_decay: float = 0.01, epsilon: float = 1e-8,
                  qr_method: str = "qr", betas=(0.9, 0.95), wire_dtype=torch.bfloat16, vote: str = "auto",
-                 state_dtype=None, *, replicate_mesh=None, shard_mesh=None, tensor_mesh=None, **options):
+                 state_dtype=None, matmul_dtype=None, *, replicate_mesh=None, shard_mesh=None, tensor_mesh=None,
+                 **options):
         defaults = dict(lr=lr, mu=mu, rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
                         weight_decay=weight_decay, epsilon=epsilon, qr_method=qr_method, betas=betas,
-                        wire_dtype=wire_dtype, vote=vote, state_dtype=state_dtype)
+                        wire_dtype=wire_dtype, vote=vote, state_dtype=state_dtype, matmul_dtype=matmul_dtype)
         super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh,
                          tensor_mesh=tensor_mesh, **options)
 
