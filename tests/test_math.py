@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 import reference
 from reference import newton_schulz
@@ -197,6 +198,28 @@ def test_orthonormalize_cholesky_equals_qr_up_to_column_signs():
     Qq, Qc = orthonormalize(P, "qr"), orthonormalize(P, "cholesky")
     signs = torch.sign((Qq * Qc).sum(0))
     assert torch.allclose(Qq * signs, Qc, atol=1e-10)
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that hand a tensor's value to Python (a device sync on a GPU), as step_ops.py does."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += str(func.overloadpacket) in ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method, reads", [("qr", 0), ("cholesky", 1), ("rcqr", 1)])
+def test_orthonormalize_reads_the_device_once_per_call_for_a_cholesky_variant_none_for_qr(method, reads):
+    """What docs/tuning.md says: the Cholesky variants read their factorizations' `info` back once per call (both
+    passes of "cholesky" in one read), whether or not they fall back; Householder QR reads nothing."""
+    for P in (gaussian(4, 40, 6, seed=1), torch.zeros(2, 40, 6, dtype=torch.float64)):
+        with HostReads() as counted:
+            orthonormalize(P, method)
+        assert counted.reads == reads
 
 
 def test_orthonormalize_rejects_unknown_method():

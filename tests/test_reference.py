@@ -262,3 +262,64 @@ def test_signmuon_all_zero_gradient_does_not_move_the_matrix():
     param.grad = torch.zeros_like(param)
     optimizer.step()
     assert torch.equal(param.detach(), start)
+
+
+# ---- Dion's matmul precision (matmul_dtype; docs/tuning.md "Dion on a GPU") ------------------------------------
+
+def dion_errors(matmul_dtype, shapes, steps, rank_fraction=0.25):
+    """Worst per-step relative error of the update and of the momentum against DionReference, fp32 params."""
+    params = [gaussian(*shape, seed=100 + i).float().requires_grad_() for i, shape in enumerate(shapes)]
+    optimizer = shardopt.Dion(params, lr=0.02, rank_fraction=rank_fraction, weight_decay=0.1, seed=3,
+                              matmul_dtype=matmul_dtype)
+    references = [DionReference(p.detach().double(), reference_q0(m, n, reference_rank(m, n, rank_fraction, 1),
+                                                                  per_param_seed(3, i)),
+                                lr=0.02, mu=0.95, weight_decay=0.1, epsilon=1e-8)
+                  for i, (p, (m, n)) in enumerate(zip(params, shapes))]
+    worst_update = worst_momentum = 0.0
+    for step in range(steps):
+        before = [p.detach().double() for p in params]
+        for i, p in enumerate(params):
+            p.grad = gaussian(*p.shape, seed=1000 * step + i).float()
+        optimizer.step()
+        for p, start, reference in zip(params, before, references):
+            ref_start = reference.X
+            ref_update = reference.step(p.grad.double()) - ref_start
+            worst_update = max(worst_update, relative_error(p.detach().double() - start, ref_update))
+            worst_momentum = max(worst_momentum, relative_error(optimizer.state[p]["momentum"].double(), reference.M))
+    return worst_update, worst_momentum
+
+
+def test_dion_matmul_dtype_default_is_bf16_on_cuda_and_the_compute_dtype_elsewhere():
+    resolve = shardopt.algorithms.lowrank.dion_matmul_dtype
+    assert resolve(None, torch.float32, torch.device("cuda")) == torch.bfloat16
+    assert resolve(None, torch.float32, torch.device("cpu")) == torch.float32
+    assert resolve(None, torch.float64, torch.device("cuda")) == torch.float64
+    assert resolve("float32", torch.float32, torch.device("cuda")) == torch.float32
+    assert resolve("bfloat16", torch.float64, torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError, match="Invalid matmul_dtype: 'float16'.*allowed: None, 'float32', 'bfloat16'"):
+        shardopt.Dion([torch.nn.Parameter(torch.zeros(4, 4))], matmul_dtype="float16")
+
+
+def test_dion_default_matmuls_on_cpu_are_the_float32_ones_bitwise():
+    results = {}
+    for matmul_dtype in (None, torch.float32):
+        params = [gaussian(*shape, seed=i).float().requires_grad_() for i, shape in enumerate(DION_SHAPES)]
+        optimizer = shardopt.Dion(params, rank_fraction=0.5, matmul_dtype=matmul_dtype)
+        for step in range(2):
+            for i, p in enumerate(params):
+                p.grad = gaussian(*p.shape, seed=10 * step + i).float()
+            optimizer.step()
+        results[matmul_dtype] = [p.detach().clone() for p in params]
+    assert all(torch.equal(a, b) for a, b in zip(results[None], results[torch.float32]))
+
+
+def test_dion_bfloat16_matmuls_stay_within_their_documented_tolerance_of_the_float64_reference():
+    """bf16 inputs to the four large products (the CUDA default), on a CPU (slow there: small shapes). Documented
+    tolerance per step (docs/tuning.md): the update within 1e-2 of the float64 reference, the momentum 1e-3;
+    fp32 matmuls are within 1e-4 and 1e-6 — and bf16 is really used: its error is far above fp32's."""
+    shapes = [(128, 64), (64, 128), (96, 96)]
+    bf16_update, bf16_momentum = dion_errors("bfloat16", shapes, steps=3)
+    fp32_update, fp32_momentum = dion_errors("float32", shapes, steps=3)
+    assert bf16_update <= 1e-2 and bf16_momentum <= 1e-3
+    assert fp32_update <= 1e-4 and fp32_momentum <= 1e-6
+    assert bf16_update > 10 * fp32_update

@@ -19,6 +19,10 @@ if any, splits a; the b-axes split b):
 
 When low rank saves nothing on the wire (rank_fraction = 1 or (a+b)·r ≥ a·b)
 the replicate axis averages G instead and P, R need no averaging.
+
+The four large products (B·Q, Bᵀ·P, P·Rᵀ, P·Qᵀ; k·a·b·r multiply-adds each) take their inputs rounded to the
+group's `matmul_dtype` (lowrank.dion_matmul_dtype: bf16 on CUDA by default, the compute dtype on a CPU); the
+orthonormalization, the column norms and every sum stay in the compute dtype (fp32).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from ..layout.buckets import compute_dtype, stack_as
 from ..wire.exchange import MEAN
 from .factors import FactorMean
 from .hyperparams import state_dtype
-from .lowrank import column_normalize, dion_rank, orthonormalize
+from .lowrank import column_normalize, dion_matmul_dtype, dion_rank, orthonormalize, subtract_product_
 from ..layout.matrices import matrix_blocks, matrix_seed, param_matrices, single_matrix
 from ..layout.placement import MatrixLayout, dim0_shards, like_param, local
 
@@ -140,13 +144,14 @@ def factor_exchange(group: dict, layout: MatrixLayout, numel: int, replicas: int
 
 def options(group: dict) -> dict:
     return {"lr": group["lr"], "mu": group["mu"], "weight_decay": group["weight_decay"],
-            "epsilon": group["epsilon"], "qr_method": group["qr_method"]}
+            "epsilon": group["epsilon"], "qr_method": group["qr_method"], "matmul_dtype": group["matmul_dtype"]}
 
 
 def power_iteration(B: torch.Tensor, Q: torch.Tensor, *, layout: MatrixLayout, exchange: FactorMean, axes,
                     orthonormalize_share):
     """One power iteration on B (k, a_i, b_j) from Q (k, b_j, r), over the axes that split B (`layout`) and
-    the replicas (a generator of collectives; returns (P, R, R̄)):
+    the replicas (a generator of collectives; returns (P, R, R̄) in Q's dtype; B may come in a lower matmul
+    dtype, the products' inputs are then rounded to it):
 
         P = orthonormalize(mean_replicas(Σ_b-axes B·Q))     (k, a_i, r)   exchange.basis
         R = Σ_a-axis Bᵀ·P                                   (k, b_j, r)   this replica's R
@@ -156,8 +161,9 @@ def power_iteration(B: torch.Tensor, Q: torch.Tensor, *, layout: MatrixLayout, e
     a_names, b_names = oriented_axes(layout)
     a_axes, b_axes = [getattr(axes, name) for name in a_names], [getattr(axes, name) for name in b_names]
     a_parts = layout.axis_parts(a_names[0]) if a_names else ()
-    P = yield from exchange.basis(B @ Q, a_axes, a_parts, b_axes, axes.replicate, orthonormalize_share)
-    R = yield from exchange.r_sum(B.mT @ P, a_axes)
+    P = yield from exchange.basis((B @ Q.to(B.dtype)).to(Q.dtype), a_axes, a_parts, b_axes, axes.replicate,
+                                  orthonormalize_share)
+    R = yield from exchange.r_sum((B.mT @ P.to(B.dtype)).to(Q.dtype), a_axes)
     return P, R, (yield from exchange.r_mean(R, axes.replicate))
 
 
@@ -171,12 +177,14 @@ def next_q(R: torch.Tensor, Q: torch.Tensor, *, layout: MatrixLayout, axes, epsi
 
 
 def step(params, grads, states, *, layout: MatrixLayout, exchange: FactorMean, axes, seed: int, lr: float,
-         mu: float, weight_decay: float, epsilon: float, qr_method: str):
+         mu: float, weight_decay: float, epsilon: float, qr_method: str, matmul_dtype: str | None):
     """One Dion step on a bucket of same-layout matrices (local tensors, updated in place): the module
     docstring's equations, a generator of collectives (schedule.py). The layout says which of
     axes.shard and axes.tensor split the matrices. Working memory: one fp32 copy of the momenta
-    (B, in place), k·(a + b)·r for P, Q, R, one matrix's update at a time."""
+    (B, in place), k·(a + b)·r for P, Q, R, one matrix's update at a time; with a lower matmul dtype
+    (bf16) also B and the error feedback's P·Rᵀ in it (k·a·b each, half the fp32 copy)."""
     dtype, r = compute_dtype(params[0].dtype), exchange.rank
+    low = dion_matmul_dtype(matmul_dtype, dtype, params[0].device)
     # momentum: B ← M + G (G averaged over the replicas first when low rank saves nothing)
     M = stack_as([s["momentum"] for s in states], dtype)            # (k, m_i, n_j), X's orientation
     if exchange.low_rank:
@@ -187,10 +195,10 @@ def step(params, grads, states, *, layout: MatrixLayout, exchange: FactorMean, a
     B = M.mT if layout.transpose else M                              # (k, a_i, b_j)
     Q = stack_as([s["Q"][:, :r] for s in states], dtype)            # (a split param's Q is padded to its largest r)
     # direction: P ← orthonormalize(mean B·Q), R ← mean Bᵀ·P
-    P, _, R = yield from power_iteration(B, Q, layout=layout, exchange=exchange, axes=axes,
+    P, _, R = yield from power_iteration(B.to(low), Q, layout=layout, exchange=exchange, axes=axes,
                                          orthonormalize_share=lambda P: orthonormalize(P, qr_method, seed))
     # error feedback B ← B − (1−μ)·P·Rᵀ, in place on M's memory (Mᵀ ← Mᵀ − (1−μ)·R·Pᵀ when transposed)
-    M.baddbmm_(*((R, P.mT) if layout.transpose else (P, R.mT)), alpha=-(1 - mu))
+    subtract_product_(M, *((R, P.mT) if layout.transpose else (P, R.mT)), 1 - mu, low)
     for state, momentum in zip(states, M):
         state["momentum"].copy_(momentum)
     del B, M
@@ -199,7 +207,7 @@ def step(params, grads, states, *, layout: MatrixLayout, exchange: FactorMean, a
     m, n = layout.shape
     for param, state, P_i, Q_i in zip(params, states, P, Q):
         state["Q"][:, :r].copy_(Q_i)
-        update = P_i @ Q_i.mT                                         # a_i×b_j
+        update = P_i.to(low) @ Q_i.to(low).mT                         # a_i×b_j
         param.mul_(1 - lr * weight_decay).add_((update.mT if layout.transpose else update).to(param.dtype),
                                                alpha=-lr * math.sqrt(m / n))
 
@@ -209,7 +217,7 @@ DION = Algorithm(
     hyperparameters={"lr": H.LR, "weight_decay": H.WEIGHT_DECAY, "epsilon": H.EPSILON, "mu": H.MU,
                      "rank_fraction": H.RANK_FRACTION, "rank_multiple_of": H.RANK_MULTIPLE_OF,
                      "qr_method": H.QR_METHOD, "wire_dtype": H.WIRE_DTYPE, "state_dtype": H.STATE_DTYPE,
-                     "split": H.SPLIT},
+                     "split": H.SPLIT, "matmul_dtype": H.MATMUL_DTYPE},
     plan_keys=("rank_fraction", "rank_multiple_of", "wire_dtype", "split"),
     init_state=init_state, state_shapes=state_shapes, step=step, options=options, exchange=factor_exchange,
     describe_exchange=lambda group: f"rank_fraction {group['rank_fraction']:g}, {group['wire_dtype']} factors",

@@ -18,7 +18,8 @@ ORTHOGONALIZE = ("shard", "full")
 NS_DTYPES = ("float32", "float64", "bfloat16", "float16")
 STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 WIRE_DTYPES = ("bfloat16", "float32")
-DTYPE_KEYS = ("ns_dtype", "wire_dtype", "state_dtype")   # accept a torch.dtype or its name; the group holds the name
+MATMUL_DTYPES = ("float32", "bfloat16")
+DTYPE_KEYS = ("ns_dtype", "wire_dtype", "state_dtype", "matmul_dtype")   # accept a torch.dtype or its name; the group holds the name
 COMMON_KEYS = ("maximize",)   # read by every algorithm
 HINTS = {("adamw", "vote"): "; for a 1-bit vote of the non-matrix parameters use algorithm 'lion'"}
 INF = float("inf")
@@ -58,7 +59,7 @@ def flag(group, key, index):
 
 
 def normalize_dtype_names(group: dict) -> None:
-    """In place: a torch.dtype given for ns_dtype / wire_dtype / state_dtype becomes its name ("bfloat16"), so
+    """In place: a torch.dtype given for ns_dtype / wire_dtype / state_dtype / matmul_dtype becomes its name ("bfloat16"), so
     param groups hold plain strings (state_dict, JSON checkpoint metadata)."""
     for key in DTYPE_KEYS:
         if isinstance(group.get(key), torch.dtype):
@@ -156,6 +157,8 @@ MU = Hyperparameter(0.95, _range(0.0, 1.0))
 RANK_FRACTION = Hyperparameter(1.0, _range(0.0, 1.0, low_open=True, high_open=False))
 RANK_MULTIPLE_OF = Hyperparameter(1, lambda group, key, index: integer(group, key, index, 1))
 QR_METHOD = Hyperparameter("qr", _choices(QR_METHODS))
+# the inputs of Dion's large matmuls; None = bf16 on CUDA for fp32 compute, else the compute dtype (lowrank.py)
+MATMUL_DTYPE = Hyperparameter(None, _choices((None,) + MATMUL_DTYPES))
 POST_POLAR = Hyperparameter(False, flag)
 LR_SCALE = Hyperparameter("none", _choices(LR_SCALES))
 

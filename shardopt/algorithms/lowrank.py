@@ -18,6 +18,23 @@ def dion_rank(m: int, n: int, rank_fraction: float, rank_multiple_of: int) -> in
     return min(k, math.ceil(rank_fraction * k / rank_multiple_of) * rank_multiple_of)
 
 
+def dion_matmul_dtype(name: str | None, compute: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype Dion's large matmuls (B·Q, Bᵀ·P, P·Rᵀ, P·Qᵀ) round their inputs to: the group's `matmul_dtype`
+    name, or for None bf16 on CUDA when the step computes in fp32 (tensor cores, fp32 accumulation), else the
+    compute dtype itself (fp32 on a CPU, where bf16 matmuls are ~30× slower; fp64 for fp64 params)."""
+    if name is not None:
+        return getattr(torch, name)
+    return torch.bfloat16 if device.type == "cuda" and compute == torch.float32 else compute
+
+
+def subtract_product_(M: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: float, dtype: torch.dtype):
+    """M ← M − alpha·A·B in place for stacks M (k, a, b), A (k, a, r), B (k, r, b); A·B from A and B rounded
+    to `dtype` (one fused baddbmm when `dtype` is M's, else a (k, a, b) product in `dtype`)."""
+    if dtype == M.dtype:
+        return M.baddbmm_(A, B, alpha=-alpha)
+    return M.sub_(torch.bmm(A.to(dtype), B.to(dtype)), alpha=alpha)
+
+
 def orthonormalize(P: torch.Tensor, method: str = "qr", seed: int = 0) -> torch.Tensor:
     """Orthonormal basis of the column space of each P (..., a, r), a ≥ r.
 

@@ -1,6 +1,6 @@
 """Non-matrix parameters (embeddings, heads, norms, biases) over the replicate axis (docs/design.md §3).
 
-- "adamw": full-precision gradient mean (one flat all-reduce per dtype), then AdamW.
+- "adamw": full-precision gradient mean (one flat all-reduce per bucket), then AdamW.
 - "lion": Lion with a 1-bit majority vote (Distributed Lion, arXiv 2404.00438). Each
   replica forms its own direction from its own gradient and its own (decoupled) momentum,
   the replicas vote on the signs with Sign-Muon's wire formats, and every replica applies
@@ -14,7 +14,8 @@
   sign(0) = 0 (Lion's own rule): an exact-zero direction abstains (see vote.py). On one
   replica this is exactly Lion.
 
-Both step a whole group at once (element-wise: no layout), one exchange per dtype.
+Both step a bucket at a time: runs of the group's entries of one dtype, at most bucket_bytes (optim/plan.py
+`entry_buckets`), one exchange per bucket; the numbers are those of the whole group in one bucket.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def options(group: dict) -> dict:
 def lion_step(params, grads, states, *, exchanges: dict, axes, seed: int, lr: float, betas, weight_decay: float,
               epsilon: float):
     """Lion with the replicas' majority vote on the signs (a generator of collectives), one flat
-    vote per dtype over all the group's tensors (`exchanges`: dtype → its Vote)."""
+    vote per dtype over the bucket's tensors (`exchanges`: dtype → its Vote)."""
     beta1, beta2 = betas
     exp_avgs = [s["exp_avg"] for s in states]
     for dtype, indices in by_dtype(params).items():

@@ -15,8 +15,9 @@ As in DeepSpeed's (and the paper's Algorithm 1) there is no bias correction: Dee
 added to the update (decoupled, AdamW-like), as DeepSpeed's did. After the exchange every replica
 holds the same m, so the momentum is not decoupled; the errors e are each replica's own (state
 keys "worker_error" and "server_error", like the param; of the server error a replica uses the
-entries of the chunk it owns, wire/onebit.py). The exchange: one flat all-reduce per dtype in the
-warm-up, the 1-bit mean per dtype after it (2·(M−1)·(n/(8M) + 4T) bytes for n entries in T tensors).
+entries of the chunk it owns, wire/onebit.py). The exchange, per bucket of whole tensors of one dtype (at
+most bucket_bytes unless one tensor is larger: optim/plan.py): one flat all-reduce in the warm-up, the 1-bit
+mean after it (2·(M−1)·(n/(8M) + 4T) bytes for n entries in T tensors).
 """
 
 from __future__ import annotations
@@ -92,6 +93,6 @@ FREEZE_STEP = Hyperparameter(DEFAULT_FREEZE_STEP, lambda group, key, index: H.in
 ONEBIT_ADAM = Algorithm(
     name="onebit_adam", matrix=False, state_keys=STATE_KEYS, init_state=init_state, state_shapes=state_shapes,
     step=step, options=options, exchange=lambda group, layout, numel, replicas: ONEBIT_MEAN,
-    describe_exchange=describe_exchange, phases=phases,
+    describe_exchange=describe_exchange, phases=phases, cuts_tensors=False,
     hyperparameters={"lr": H.LR, "weight_decay": H.WEIGHT_DECAY, "betas": H.BETAS, "epsilon": H.EPSILON,
                      "freeze_step": FREEZE_STEP})

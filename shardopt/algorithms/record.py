@@ -26,7 +26,9 @@ class Algorithm:
     """One algorithm of a param group's "algorithm" key.
 
     name: the key's value. matrix: True if it steps buckets of matrices (matrices.py), False if
-        element-wise on the whole group.
+        element-wise, on buckets of the group's entries (layout/buckets.py: `flat_buckets`).
+    cuts_tensors: an element-wise algorithm whose buckets may end inside a tensor (every entry's math is
+        its own: AdamW, Lion); False: buckets of whole tensors (1-bit Adam: its scales are per tensor).
     hyperparameters: key → Hyperparameter, the group keys it reads (besides "maximize").
     plan_keys: the keys whose values shape its plan (buckets, exchanges); a change re-plans.
     state_keys: the tensors of a param's state besides "step" (load_state_dict checks against them).
@@ -40,14 +42,16 @@ class Algorithm:
     work_ranks(layout, group, replicas) → how many ranks share a bucket's work (a bucket holds a
         multiple of it: buckets.py).
     exchange(group, layout, numel, replicas) → the exchange of a bucket (exchange.py) of `numel`
-        local entries (layout None for an element-wise group, per dtype).
+        local entries (layout None for an element-wise group: per dtype, for all its entries; each bucket
+        takes it `starting_at` its first entry).
     describe_exchange(group) → a few words for describe().
     phases(group) → ((label, step), …): where the exchange changes with the step count (1-bit Adam's
         warm-up, then its 1-bit momentum), a step of each phase, whose bytes describe() reports;
         None: one phase.
     options(group) → the step's typed keyword arguments, read from the group at each step.
     step(params, grads, states, *, layout, exchange, axes, seed, **options): the bucket step, a
-        generator of collectives (for an element-wise group: `exchanges` per dtype, no layout).
+        generator of collectives (for an element-wise bucket: `exchanges`, its dtype → its exchange, no
+        layout; its params are whole tensors or flat runs of their entries).
     """
 
     name: str
@@ -64,5 +68,6 @@ class Algorithm:
     b_side_state: tuple = ()
     decoupled_momentum: str | None = None
     momentum: str = "betas"
+    cuts_tensors: bool = True
     work_ranks: Callable = field(default=lambda layout, group, replicas: 1)
     phases: Callable | None = None

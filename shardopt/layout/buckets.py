@@ -1,4 +1,5 @@
-"""Buckets: which matrices of a param group are stepped together, and their stacked working copy.
+"""Buckets: which matrices of a param group are stepped together, and their stacked working copy;
+which entries of an element-wise group are (`flat_buckets`).
 
 A bucket is a run of matrices of one param group with the same layout, dtype and
 device, in parameter order (a 2-D param is one matrix; a 3-D expert stack and a
@@ -20,7 +21,18 @@ import torch
 
 from .matrices import param_matrices
 
-DEFAULT_BUCKET_BYTES = 16 * 2**20   # 16 MiB of fp32 working copy: four 1024×1024 matrices
+DEFAULT_BUCKET_BYTES = 16 * 2**20   # 16 MiB of fp32 working copy: four 1024×1024 matrices (CPU, and the rest)
+# A GPU runs a bucket's stacked matmuls and its one collective per exchange faster than the host launches them: a
+# bucket per large matrix leaves it host-bound. 128 MiB holds 14 of GPT-2 small's 768×3072 fp32 matrices, 8 of
+# Llama-3.2-1B's 2048×2048 (2 of its 2048×8192), 2 of Llama-3-8B's 4096×4096; two buckets in flight, a few copies
+# each, are ~1 GiB of transients.
+BUCKET_BYTES_BY_DEVICE = {"cuda": 128 * 2**20}
+
+
+def default_bucket_bytes(device_type: str) -> int:
+    """The default cap `bucket_bytes` for params on a device of `device_type` ("cuda", "cpu", …): 128 MiB on
+    CUDA (ROCm too: its device type is "cuda"), 16 MiB elsewhere (see BUCKET_BYTES_BY_DEVICE)."""
+    return BUCKET_BYTES_BY_DEVICE.get(device_type, DEFAULT_BUCKET_BYTES)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -62,6 +74,37 @@ def capped_buckets(params, group: dict, bucket_bytes: int, split_of):
         for size in chunk_sizes(len(members), matrix_bytes, bucket_bytes, split_of(layout)):
             yield layout, dtype, members[start:start + size]
             start += size
+
+
+def flat_buckets(sizes: list[int], whole: list[bool], cap: int) -> list[list[tuple[int, int, int]]]:
+    """An element-wise group's buckets: its tensors of `sizes` entries, taken in order as one run of
+    entries, cut into consecutive buckets of at most `cap` entries (cap ≥ 1), each a list of (tensor index,
+    start, stop), a run of that tensor's flat entries. A tensor with whole[i] True is never cut: it ends
+    the bucket before it when it does not fit, and one larger than the cap is a bucket of its own. So an
+    element-wise step's transient memory is O(cap) (plus the largest whole tensor), not O(group)."""
+    buckets, current, filled = [], [], 0
+    for index, size in enumerate(sizes):
+        if whole[index] and current and filled + size > cap:
+            buckets.append(current)
+            current, filled = [], 0
+        start = 0
+        while True:
+            stop = size if whole[index] else min(size, start + cap - filled)
+            current.append((index, start, stop))
+            filled += stop - start
+            start = stop
+            if filled >= cap:
+                buckets.append(current)
+                current, filled = [], 0
+            if start >= size:
+                break
+    return buckets + [current] if current else buckets
+
+
+def flat_piece(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Entries start … stop−1 of `tensor` in row-major order, a view (the tensor itself when whole; a run
+    of a contiguous tensor's flat entries otherwise)."""
+    return tensor if (start, stop) == (0, tensor.numel()) else tensor.view(-1)[start:stop]
 
 
 def stack_as(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from ..layout.buckets import DEFAULT_BUCKET_BYTES
+from ..layout.buckets import BUCKET_BYTES_BY_DEVICE, DEFAULT_BUCKET_BYTES
 from ..algorithms.hyperparams import normalize_dtype_names, state_dtype, unknown_algorithm, validate_group
 from ..internals import load_state_dict_pre_hooks
 from ..layout.matrices import param_matrices
@@ -47,9 +47,12 @@ def check_options(*, seed, agreement_timeout_s, nonfinite, max_grad_norm, maximi
     _real("max_grad_norm", max_grad_norm, "a number ≥ 0 (0 turns clipping off)", lambda v: v >= 0)
     if not isinstance(maximize, bool):
         raise ValueError(f"Invalid maximize: {maximize!r}; maximize must be True or False")
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                     or bucket_bytes < 1):
         raise ValueError(f"Invalid bucket_bytes: {bucket_bytes!r}; bucket_bytes must be a positive integer "
-                         f"(bytes of a bucket's fp32 working copy, default {DEFAULT_BUCKET_BYTES})")
+                         f"(bytes of a bucket's fp32 working copy), or None for the device's default "
+                         f"({', '.join(f'{d}: {b // 2**20} MiB' for d, b in BUCKET_BYTES_BY_DEVICE.items())}, "
+                         f"else {DEFAULT_BUCKET_BYTES // 2**20} MiB)")
     every = double_averaging_check_every
     if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 0:
         raise ValueError(f"Invalid double_averaging_check_every: {every!r}; it must be an integer ≥ 0, the same on "

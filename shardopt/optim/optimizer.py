@@ -27,7 +27,9 @@ maximize: step along +gradient (torch.optim's maximize), for every algorithm; a 
 foreach, fused, capturable, differentiable: torch.optim options shardopt refuses with a TypeError
     that says what it does instead (None, the default, is accepted).
 bucket_bytes: cap on a bucket's stacked working copy (fp32; fp64 for fp64 params), so a step's
-    transient memory is O(bucket_bytes), not O(model) (buckets.py).
+    transient memory is O(bucket_bytes), not O(model) (buckets.py); element-wise groups are cut into buckets
+    of at most that many bytes of entries. None (default): by the params' device, 128 MiB on CUDA, 16 MiB
+    elsewhere (buckets.default_bucket_bytes).
 double_averaging_check_every: at step 1 and every this many steps after, raise
     `DoubleAveragingError` on every rank, state untouched, when all replicas' local gradients are
     bitwise identical: something averaged them already (DDP without no_sync(), FSDP2 HSDP's
@@ -60,7 +62,7 @@ import torch
 
 from ..algorithms import registry
 from ..overlap.backward import BackwardOverlap, switched
-from ..layout.buckets import DEFAULT_BUCKET_BYTES
+from ..layout.buckets import default_bucket_bytes
 from .agreement import StepAgreement, check_ranks_agree, gradient_flag
 from .checks import check_options, check_param_group, load_checked, param_labels
 from .clipping import clip_grad_norm_
@@ -88,13 +90,12 @@ class ShardOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, *, replicate_mesh=None, shard_mesh=None, tensor_mesh=None, seed: int = 0,
                  agreement_timeout_s: float = 60.0, nonfinite: str = "skip", max_grad_norm: float = 0.0,
                  maximize: bool = False, foreach=None, fused=None, capturable=None, differentiable=None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 bucket_bytes: int | None = None,
                  double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY, overlap_backward: bool = False):
         check_options(seed=seed, agreement_timeout_s=agreement_timeout_s, nonfinite=nonfinite,
                       max_grad_norm=max_grad_norm, maximize=maximize, bucket_bytes=bucket_bytes,
                       double_averaging_check_every=double_averaging_check_every, foreach=foreach, fused=fused,
                       capturable=capturable, differentiable=differentiable)
-        self.bucket_bytes = bucket_bytes
         self.agreement = StepAgreement(nonfinite, double_averaging_check_every)
         self.seed = int(seed)
         self.max_norm = float(max_grad_norm)   # (the DeepSpeed plugin keeps its own max_grad_norm)
@@ -107,7 +108,8 @@ class ShardOptimizer(torch.optim.Optimizer):
         replicate, shard, tensor = derive_meshes(list(self._param_label.items()), replicate_mesh, shard_mesh, tensor_mesh)
         self.replicate, self.shard, self.tensor = self.axes = Axes(   # (torchft: a round per step, healing)
             replicate_axis(replicate, self, per_step=True), Axis("shard", shard), Axis("tensor", tensor))
-        settings = {"seed": self.seed, "bucket_bytes": bucket_bytes, "double_averaging_check_every":
+        self.bucket_bytes = bucket_bytes or default_bucket_bytes(self._device().type)
+        settings = {"seed": self.seed, "bucket_bytes": self.bucket_bytes, "double_averaging_check_every":
                     double_averaging_check_every, "overlap_backward": int(bool(overlap_backward))}
         check_ranks_agree(self._param_label.items(), self.param_groups, settings, self.axes, agreement_timeout_s)
         self.bucket_step_axes = self.axes   # where the bucket steps' collectives go (private groups when overlapping)
@@ -284,6 +286,9 @@ class Dion(ShardOptimizer):
     torch.float32, the precision of P and R on the replicate axis (rounded before the exchange).
     qr_method: "qr" (Householder, exact), "cholesky" or "rcqr" (randomized Cholesky-QR).
     state_dtype: dtype of the momentum and Q ("float32", "bfloat16", …; None: the param's).
+    matmul_dtype: "float32" or "bfloat16", what the inputs of the four large products (B·Q, Bᵀ·P, P·Rᵀ, P·Qᵀ)
+        are rounded to; None (default): bf16 on CUDA (tensor cores), the compute dtype on a CPU (docs/tuning.md
+        has the float64-reference tolerances of each; float32 follows torch's TF32 setting).
     `options`: seed, agreement_timeout_s, nonfinite, max_grad_norm, maximize, bucket_bytes (see ShardOptimizer)."""
 
     matrix_algorithm = "dion"
@@ -291,10 +296,11 @@ class Dion(ShardOptimizer):
     def __init__(self, params, lr: float = 0.01, mu: float = 0.95, rank_fraction: float = 1.0,
                  rank_multiple_of: int = 1, weight_decay: float = 0.01, epsilon: float = 1e-8,
                  qr_method: str = "qr", betas=(0.9, 0.95), wire_dtype=torch.bfloat16, vote: str = "auto",
-                 state_dtype=None, *, replicate_mesh=None, shard_mesh=None, tensor_mesh=None, **options):
+                 state_dtype=None, matmul_dtype=None, *, replicate_mesh=None, shard_mesh=None, tensor_mesh=None,
+                 **options):
         defaults = dict(lr=lr, mu=mu, rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
                         weight_decay=weight_decay, epsilon=epsilon, qr_method=qr_method, betas=betas,
-                        wire_dtype=wire_dtype, vote=vote, state_dtype=state_dtype)
+                        wire_dtype=wire_dtype, vote=vote, state_dtype=state_dtype, matmul_dtype=matmul_dtype)
         super().__init__(params, defaults, replicate_mesh=replicate_mesh, shard_mesh=shard_mesh,
                          tensor_mesh=tensor_mesh, **options)
 

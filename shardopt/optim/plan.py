@@ -2,25 +2,28 @@
 
 A matrix group's params are cut into buckets of same-layout matrices (buckets.py) and each bucket
 gets its exchange from its algorithm's record (`Algorithm.exchange`: Dion's factor mean or
-fallback, a vote format, a mean) for its size at this replica count. An element-wise group gets one
-exchange per dtype. The plan depends on the group's params, its `plan_keys` values and the replica
+fallback, a vote format, a mean) for its size at this replica count. An element-wise group's entries,
+per dtype taken as one run, are cut into buckets of at most bucket_bytes of compute-dtype entries
+(buckets.flat_buckets: O(bucket_bytes) transient memory, not O(group)); its exchange is chosen once per dtype
+for the whole run, and each bucket's is that one from the bucket's first entry on (`starting_at`: a vote's
+coins), so the numbers are those of one bucket per dtype. The plan depends on the group's params, its `plan_keys` values and the replica
 count; `Plans` keeps one per group and makes a new one when any of them changes (a scheduler that
 cycles momentum does not re-plan; a new `vote` does).
 
-A step runs the *units* of the plans (a matrix group's buckets, an element-wise group whole) for the params
+A step runs the *units* of the plans (a group's buckets) for the params
 that step, in backward order (`Plans.stepping_units`), each unit a step generator (`unit_steps`) that reads
 its params' gradients through `gradient_reader`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..algorithms import registry
 from ..algorithms.hyperparams import follow_momentum_schedule
-from ..layout.buckets import capped_buckets
+from ..layout.buckets import capped_buckets, compute_dtype, flat_buckets, flat_piece
 from ..wire.exchange import by_dtype
 from ..wire.seeds import mix_seed
 from ..layout.matrices import ParamMatrix, matrix_seed
@@ -41,15 +44,43 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class Entries:
+    """An element-wise bucket: of each of `params` (one dtype) its local flat entries ranges[i] = (start, stop)
+    (buckets.flat_piece); `exchange`: the dtype's, from the bucket's first entry on."""
+
+    params: tuple[torch.Tensor, ...]
+    ranges: tuple[tuple[int, int], ...]
+    dtype: torch.dtype
+    exchange: object
+
+
+@dataclass(frozen=True)
 class GroupPlan:
-    """A matrix group's buckets, or an element-wise group's exchange per dtype (`exchanges`) and
-    base seed."""
+    """A group's buckets (matrix `Bucket`s or element-wise `Entries`); `seed`: an element-wise group's base
+    seed (every bucket's coins are numbered within the group's, per dtype)."""
 
     key: tuple
     params: tuple = ()
-    buckets: tuple[Bucket, ...] = ()
-    exchanges: dict = field(default_factory=dict)
+    buckets: tuple = ()
     seed: int = 0
+
+
+def entry_buckets(record, group: dict, params: list, replicas: int, bucket_bytes: int) -> list[Entries]:
+    """An element-wise group's buckets: per dtype, its params' local entries in order, cut by
+    buckets.flat_buckets at bucket_bytes of compute-dtype entries (whole tensors where the record does not
+    cut them, or a tensor is not contiguous); the exchange chosen for the dtype's whole run."""
+    found = []
+    for dtype, indices in by_dtype(params).items():
+        tensors = [local(params[i]) for i in indices]
+        sizes = [tensor.numel() for tensor in tensors]
+        exchange = record.exchange(group, None, sum(sizes), replicas)
+        whole = [not (record.cuts_tensors and tensor.is_contiguous()) for tensor in tensors]
+        first = 0
+        for bucket in flat_buckets(sizes, whole, max(1, bucket_bytes // compute_dtype(dtype).itemsize)):
+            found.append(Entries(tuple(params[indices[k]] for k, _, _ in bucket),
+                                 tuple((start, stop) for _, start, stop in bucket), dtype, exchange.starting_at(first)))
+            first += sum(stop - start for _, start, stop in bucket)
+    return found
 
 
 def plan_group(record, group: dict, params: list, replicas: int, bucket_bytes: int, param_seed) -> GroupPlan:
@@ -57,8 +88,7 @@ def plan_group(record, group: dict, params: list, replicas: int, bucket_bytes: i
     param_seed(param) is the param's seed (equal on every rank)."""
     key = plan_key(record, group, params, replicas)
     if not record.matrix:
-        numel = {dtype: sum(local(params[i]).numel() for i in indices) for dtype, indices in by_dtype(params).items()}
-        return GroupPlan(key, tuple(params), exchanges={dtype: record.exchange(group, None, n, replicas) for dtype, n in numel.items()},
+        return GroupPlan(key, tuple(params), tuple(entry_buckets(record, group, params, replicas, bucket_bytes)),
                          seed=matrix_seed(param_seed(params[0]), 0))
     buckets = []
     for layout, _, members in capped_buckets(params, group, bucket_bytes,
@@ -77,15 +107,14 @@ def plan_key(record, group: dict, params: list, replicas: int) -> tuple:
 
 
 def units(plan: GroupPlan) -> tuple:
-    """What a planned group steps one at a time: a matrix group's buckets (none where this rank holds
-    no matrix of the group), or (None,) for an element-wise group (one step over all its params; its
-    plan has an exchange per dtype)."""
-    return (None,) if plan.exchanges else plan.buckets
+    """What a planned group steps one at a time: its buckets (a matrix group has none where this rank holds
+    no matrix of it)."""
+    return plan.buckets
 
 
 def unit_params(plan: GroupPlan, unit) -> tuple:
-    """The params a unit reads (a bucket's, each once; an element-wise group's)."""
-    return tuple(dict.fromkeys(unit.params)) if unit is not None else plan.params
+    """The params a unit (a bucket) reads, each once."""
+    return tuple(dict.fromkeys(unit.params))
 
 
 def backward_order(units_: list, position) -> list:
@@ -117,11 +146,14 @@ def unit_step(record, group: dict, plan: GroupPlan, unit, local_param, local_gra
     tensors; the step writes into the tensors local_param and local_state give); step_seed(base
     seed, first param) → the seed of this step's coins."""
     options = record.options(group)
-    if unit is None:
-        params = plan.params
-        return record.step([local_param(p) for p in params], [local_grad(p) for p in params],
-                           [local_state(p) for p in params], exchanges=plan.exchanges, axes=axes,
-                           seed=step_seed(plan.seed, params[0]), **options)
+    if not record.matrix:
+        pieces = list(zip(unit.params, unit.ranges))
+        states = [{key: value if key == "step" else flat_piece(value, *entries) for key, value in local_state(p).items()}
+                  for p, entries in pieces]
+        return record.step([flat_piece(local_param(p), *entries) for p, entries in pieces],
+                           [flat_piece(local_grad(p).contiguous(), *entries) for p, entries in pieces], states,
+                           exchanges={unit.dtype: unit.exchange}, axes=axes, seed=step_seed(plan.seed, plan.params[0]),
+                           **options)
     pairs = list(zip(unit.params, unit.matrices))
     states = [{key: (matrix.of_state if key in record.b_side_state else matrix.of)(value)
                for key, value in local_state(param).items() if key != "step"} for param, matrix in pairs]

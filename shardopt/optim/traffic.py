@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout.buckets import DEFAULT_BUCKET_BYTES
+from ..layout.buckets import default_bucket_bytes
 from ..wire.comm import Axes, Axis, CountingAxis, collective_bytes
 from ..algorithms.hyperparams import state_dtype
 from ..layout.placement import derive_meshes, local
@@ -71,16 +71,18 @@ def _meta(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     return torch.empty_like(local(tensor), dtype=dtype, device="meta")
 
 
-def group_bytes(group: dict, replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, shard: Axis | None = None,
+def group_bytes(group: dict, replicas: int, bucket_bytes: int | None = None, shard: Axis | None = None,
                 tensor: Axis | None = None, step: int = 1) -> int:
     """Replicate-axis bytes one rank sends per step for a param group (with every key of the
     registry's defaults), every param with a gradient, at `replicas` replicas; shard, tensor: this
     rank's axes (default: those the params' placements imply); step: the params' step count (1-bit
-    Adam's exchange changes after its warm-up: `Algorithm.phases`)."""
+    Adam's exchange changes after its warm-up: `Algorithm.phases`); bucket_bytes None: the params' device's
+    default (buckets.default_bucket_bytes)."""
     record = algorithm(group["algorithm"])
     params = group["params"]
     if not params:
         return 0
+    bucket_bytes = bucket_bytes or default_bucket_bytes(local(params[0]).device.type)
     if shard is None or tensor is None:
         shard, tensor = model_axes([group])
     axes = Axes(CountingAxis("replicate", replicas), CountingAxis("shard", shard.size, shard.rank),
@@ -129,7 +131,7 @@ def checkpoint_cost(groups: list[dict], replicas: int, exchange: str) -> str:
            f"{exchange!r} ({exact:,} B with \"mean\": docs/design.md §6)" if exact else ""
 
 
-def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clipping: bool = False,
+def describe(groups: list[dict], replicas: int, bucket_bytes: int | None = None, clipping: bool = False,
              double_averaging_check_every: int = DOUBLE_AVERAGING_CHECK_EVERY, shard: Axis | None = None,
              tensor: Axis | None = None, checkpoint: str = CHECKPOINT_EXCHANGE) -> str:
     """One line per group (algorithm, tensors, elements, replicate-axis bytes per step on this rank),

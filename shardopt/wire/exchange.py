@@ -52,18 +52,28 @@ class Mean:
         """mean_replicas of a bucket's tensors stacked into one (k, …) tensor in `dtype`."""
         return (yield replicate.all_reduce(stack_as(tensors, dtype), "mean", async_op=True))
 
+    def starting_at(self, first: int) -> Mean:
+        """This exchange for a bucket of a group's entries from `first` on (a mean depends on no index)."""
+        return self
+
 
 MEAN = Mean()
 
 
 @dataclass(frozen=True)
 class Vote:
-    """The majority vote of the replicas' signs, in wire format `fmt` (vote.py)."""
+    """The majority vote of the replicas' signs, in wire format `fmt` (vote.py); `first`: the index of its
+    entry 0 in the coins' numbering (a bucket of an element-wise group's entries: the group's one vote, cut)."""
 
     fmt: VoteFormat
+    first: int = 0
 
     def signs(self, positive: torch.Tensor, replicate: Axis, seed: int, abstain: torch.Tensor | None = None,
               silent: torch.Tensor | None = None):
         """V = sign(Σ_replicas sᵢ), int8 (n,) (see VoteFormat.exchange: `abstain` per entry, `silent`
         per matrix)."""
-        return (yield from self.fmt.exchange(positive, replicate, seed, abstain, silent))
+        return (yield from self.fmt.exchange(positive, replicate, seed, abstain, silent, self.first))
+
+    def starting_at(self, first: int) -> Vote:
+        """This vote for a bucket of a group's entries from `first` on: their coins are the group's."""
+        return Vote(self.fmt, first)

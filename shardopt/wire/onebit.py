@@ -140,5 +140,9 @@ class OneBitMean:
         values = torch.cat([decode(p, sigma[:, t]) for t, p in enumerate(positive.split(chunks, dim=1))], dim=1)
         return [v.view_as(x).to(x.dtype) for v, x in zip(_split(values, chunks, numels), xs)]
 
+    def starting_at(self, first: int) -> OneBitMean:
+        """This exchange for a bucket of whole tensors of a group (its scales and chunks are per tensor)."""
+        return self
+
 
 ONEBIT_MEAN = OneBitMean()

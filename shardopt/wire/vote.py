@@ -57,13 +57,19 @@ def _int_wire_dtype(voters: int) -> torch.dtype:
     return torch.float16 if voters <= 2048 else torch.int32
 
 
+def coins(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
+    """bool (length,): the heads of entries start … start+length−1 (any start) of `seed`'s device-independent
+    coins (coins.py: entry i's coin is bit i mod 8 of hash byte ⌊i/8⌋), drawn in one pass for just these
+    entries (an owner's chunk; a bucket's entries, its first entry's index in its group: `Vote.first`)."""
+    skip = start % 8
+    heads = unpack_signs(coin_bytes(seed, start // 8, padded_length(skip + length, 8) // 8, device), skip + length)
+    return heads[skip:]
+
+
 def tie_coins(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
-    """±1 coins (int8, (length,)) of entries start … start+length−1 (start a multiple of 8): the
-    device-independent coins of `seed` (coins.py: entry i's coin is bit i mod 8 of hash byte ⌊i/8⌋),
-    drawn in one pass for just these entries ("alltoall_1bit": an owner's chunk; "allgather_1bit":
-    all n). The same on every replica, device and replica count, so both formats break a tie alike."""
-    heads = unpack_signs(coin_bytes(seed, start // 8, padded_length(length, 8) // 8, device), length)
-    return as_signs(heads)
+    """±1 coins (int8, (length,)) of entries start … start+length−1 (`coins`), the same on every replica,
+    device and replica count, so every format breaks a tie alike ("alltoall_1bit": an owner's chunk)."""
+    return as_signs(coins(seed, start, length, device))
 
 
 def abstain_seed(seed: int) -> int:
@@ -72,15 +78,14 @@ def abstain_seed(seed: int) -> int:
 
 
 def _voting_signs(positive: torch.Tensor, abstain: torch.Tensor | None, silent: torch.Tensor | None,
-                  seed: int) -> torch.Tensor:
+                  seed: int, first: int) -> torch.Tensor:
     """The bits this replica sends in a 1-bit format, bool (n,). Where it abstains, its coin (a 1-bit
     format cannot carry a zero; reusing the tie coin would let an abstainer decide every tie):
     positive ⊕ ((positive ⊕ heads) ∧ abstain), bool ops (faster than torch.where on a CPU). On the
     matrices it is silent on (`silent` (k,)), zeros: the receivers then count +1 votes of the voting
     replicas only, and learn from the flags how many vote."""
     if abstain is not None:
-        heads = unpack_signs(coin_bytes(abstain_seed(seed), 0, padded_length(positive.numel(), 8) // 8,
-                                        positive.device), positive.numel())
+        heads = coins(abstain_seed(seed), first, positive.numel(), positive.device)
         positive = positive ^ ((positive ^ heads) & abstain)
     if silent is not None:
         positive = (positive.view(silent.numel(), -1) & ~silent[:, None]).view(-1)
@@ -113,14 +118,15 @@ class VoteFormat:
     generator of collectives (schedule.py) that returns V = sign(Σ_replicas sᵢ) as int8 (n,) in
     {−1, 0, +1}. `positive`: flat bool (n,); `seed`: equal on all replicas (the tie coins); `abstain`:
     bool (n,) or None, entries where this replica's sᵢ is 0; `silent`: bool (k,) or None, the n entries
-    being k equal matrices, those this replica votes on none of (module docstring). Working memory per
+    being k equal matrices, those this replica votes on none of (module docstring); `first`: the index of
+    entry 0 in the coins' numbering (a bucket of a larger vote: its entries' coins are the whole vote's). Working memory per
     entry: a few bytes, never int64 and never an (M × n) unpacked tensor; ops per vote: a fixed number,
     whatever M. `cost` and `bytes` are what `exchange` itself sends, counted (`_counted`)."""
 
     name = ""
 
     def exchange(self, positive: torch.Tensor, axis: Axis, seed: int, abstain: torch.Tensor | None = None,
-                 silent: torch.Tensor | None = None):
+                 silent: torch.Tensor | None = None, first: int = 0):
         raise NotImplementedError
 
     def cost(self, n: int, voters: int, matrices: int = 0) -> tuple[int, int]:
@@ -150,7 +156,7 @@ class AllreduceInt8(VoteFormat):
 
     name = "allreduce_int8"
 
-    def exchange(self, positive, axis, seed, abstain=None, silent=None):
+    def exchange(self, positive, axis, seed, abstain=None, silent=None, first=0):
         voters = axis.size
         signs = as_signs(positive, torch.int8 if voters == 1 else _int_wire_dtype(voters))
         if abstain is not None:
@@ -169,11 +175,11 @@ class AllgatherOneBit(VoteFormat):
 
     name = "allgather_1bit"
 
-    def exchange(self, positive, axis, seed, abstain=None, silent=None):
+    def exchange(self, positive, axis, seed, abstain=None, silent=None, first=0):
         if axis.size == 1:
-            return (yield from ALLREDUCE_INT8.exchange(positive, axis, seed, abstain, silent))
+            return (yield from ALLREDUCE_INT8.exchange(positive, axis, seed, abstain, silent, first))
         n, voters = positive.numel(), axis.size
-        packed = pack_signs(_voting_signs(positive, abstain, silent, seed))
+        packed = pack_signs(_voting_signs(positive, abstain, silent, seed, first))
         if silent is not None:
             packed = torch.cat([packed, pack_signs(~silent)])
         gathered = yield axis.all_gather(packed, async_op=True)      # (M, ceil(n/8) [+ ceil(k/8)])
@@ -181,7 +187,7 @@ class AllgatherOneBit(VoteFormat):
         flags = None if silent is None else unpack_signs(gathered[:, bits:], silent.numel())
         counts, voting = voting_counts(gathered[:, :bits], flags, _entries(n, silent), 0, n)
         ties = voters % 2 == 0 or silent is not None      # among fewer voters a tie can come at odd M
-        V = majority(counts, voting, tie_coins(seed, 0, n, positive.device) if ties else None)
+        V = majority(counts, voting, tie_coins(seed, first, n, positive.device) if ties else None)
         return V if flags is None else silence(V, flags)
 
 
@@ -192,11 +198,11 @@ class AlltoallOneBit(VoteFormat):
 
     name = "alltoall_1bit"
 
-    def exchange(self, positive, axis, seed, abstain=None, silent=None):
+    def exchange(self, positive, axis, seed, abstain=None, silent=None, first=0):
         if axis.size == 1:
-            return (yield from ALLREDUCE_INT8.exchange(positive, axis, seed, abstain, silent))
+            return (yield from ALLREDUCE_INT8.exchange(positive, axis, seed, abstain, silent, first))
         n, voters = positive.numel(), axis.size
-        packed = pack_signs(_voting_signs(positive, abstain, silent, seed), pad_to=8 * voters)   # (M·c,)
+        packed = pack_signs(_voting_signs(positive, abstain, silent, seed, first), pad_to=8 * voters)   # (M·c,)
         chunk = packed.numel() // voters                              # c bytes per owner
         if silent is not None:                                        # the flags ride along with every chunk
             flags = pack_signs(~silent)
@@ -206,7 +212,7 @@ class AlltoallOneBit(VoteFormat):
         start = axis.rank * 8 * chunk
         counts, voting = voting_counts(received[:, :chunk], flags, _entries(n, silent), start, 8 * chunk)
         ties = voters % 2 == 0 or silent is not None      # among fewer voters a tie can come at odd M
-        owned_vote = majority(counts, voting, tie_coins(seed, start, 8 * chunk, positive.device) if ties else None) > 0
+        owned_vote = majority(counts, voting, tie_coins(seed, first + start, 8 * chunk, positive.device) if ties else None) > 0
         result = (yield axis.all_gather(pack_signs(owned_vote), async_op=True)).reshape(-1)   # (M·c,)
         V = as_signs(unpack_signs(result, n))
         return V if flags is None else silence(V, flags)
