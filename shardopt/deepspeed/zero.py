@@ -113,8 +113,9 @@ class ZeroPartition:
         """Stages 1/2: every rank's params ← their owners' (all-gather over the node axis, in the
         params' widest dtype, so the copy is exact). With `weights` set (the model's params, whose masters
         this rank holds only where it owns them: masters.py) the other slots' gathered weights go there, in
-        their dtype: the owners' params rounded to it as the fp16/bf16 wrapper's copy rounds them."""
-        if self.stage == 0 or self.node.size == 1:
+        their dtype: the owners' params rounded to it as the fp16/bf16 wrapper's copy rounds them, and the owned
+        slots' own params too (the wrapper's copy-back is a no-op there: masters.py)."""
+        if self.stage == 0 or (self.node.size == 1 and self.weights is None):
             return
         targets = self.weights if self.weights is not None else params
         dtype = targets[0].dtype
@@ -129,6 +130,8 @@ class ZeroPartition:
         for i, param in enumerate(targets):
             if not self.owns(i):
                 param.copy_(gathered[self.offsets[i]:self.offsets[i] + self.sizes[i]].view(param.shape))
+            elif param is not params[i]:
+                param.copy_(params[i])
 
 
 class BackwardReducer:
@@ -143,10 +146,15 @@ class BackwardReducer:
     (kept alone, or None, on the others). deliver(param, g): with the exchange during backward, called
     as soon as an owned slot's reduce has completed, with the g `end()` will return for it (the same
     tensor, unless the slot is accumulated a second time in this backward, e.g. by reentrant checkpointing:
-    then a new one, which the optimizer sees as changed)."""
+    then a new one, which the optimizer sees as changed).
 
-    def __init__(self, partition: ZeroPartition, params: list[torch.Tensor], cap_elements: int):
+    holders: the tensor each slot's g is for, in its dtype (default: the params); under fp16/bf16 the owned
+    slots' fp32 master copies (masters.py): there the fp32 node mean is g itself, not a copy rounded to the param's."""
+
+    def __init__(self, partition: ZeroPartition, params: list[torch.Tensor], cap_elements: int,
+                 holders: list[torch.Tensor] | None = None):
         self.partition, self.params, self.cap = partition, params, int(cap_elements)
+        self.holders = params if holders is None else holders
         self.active, self.pending, self.in_flight = False, deque(), 0
         self.kept, self.deliver, self.results, self.delivered, self.reduces = [], None, {}, {}, {}
         self.hooks = [param.register_post_accumulate_grad_hook(functools.partial(self._ready, slot))
@@ -183,8 +191,8 @@ class BackwardReducer:
     def _gradient(self, slot: int, in_place: bool) -> torch.Tensor | None:
         """g of the class doc for `slot`, from what has completed so far (in_place: summed into kept)."""
         old, new = self.kept[slot], self.results.get(slot)
-        param = self.params[slot]
-        new = None if new is None else new.view(param.shape).to(param.dtype)
+        holder = self.holders[slot]
+        new = None if new is None else new.view(holder.shape).to(holder.dtype)
         if old is None or new is None:
             return new if old is None else old
         return old.add_(new) if in_place else old + new
