@@ -188,10 +188,11 @@ def test_bf16_stage_2_with_lion_trains_identically_and_the_client_path_matches(p
         assert same and client_stage == 1
 
 
-def _bf16_stage2_gradients_at_the_step():
-    """One step of 2 micro-batches; what the optimizer's step finds: the model params' .grad, the masters'."""
+def _bf16_stage2_gradients_at_the_step(mesh):
+    """One step of 2 micro-batches; what the optimizer's step finds: the model params' .grad, the masters'; whether
+    the model's params are then their masters rounded to bf16."""
     _env()
-    engine, *_ = sds.initialize(model=_model(), config=_config("SignMuon", 2, MESH, precision="bf16"))
+    engine, *_ = sds.initialize(model=_model(), config=_config("SignMuon", 2, mesh, precision="bf16"))
     ours = sds.shard_optimizer(engine)
     local = {p: [] for p in engine.module.parameters()}   # each micro-batch's local gradient, before the reducer
     for param in engine.module.parameters():
@@ -200,31 +201,35 @@ def _bf16_stage2_gradients_at_the_step():
     ours.register_step_pre_hook(lambda *_: seen.update(
         model=[p.grad for p in engine.module.parameters()], masters=[(p.grad, p.numel()) for p in ours._slots()]))
     _steps(engine, 1)
-    node = split_world(2, 2)[1]
+    node, shard = split_world(mesh["replicate"], mesh["shard"])[1], mesh["shard"]
     expected = []
     for model_param, _ in ours.wiring.masters:   # slot order: (1/S)·Σ_node per micro-batch in fp32, then summed
         means = [grad.clone() for grad in local[model_param]]
         for mean in means:
             dist.all_reduce(mean, group=node)
-        expected.append(means[0].div_(2).add_(means[1].div_(2)))
+        expected.append(means[0].div_(shard).add_(means[1].div_(shard)))
     owned = [ours.zero.owns(slot) for slot in range(len(expected))]
     exact = [torch.equal(grad, want) for (grad, _), want, mine in zip(seen["masters"], expected, owned) if mine]
     finer_than_bf16 = any(not torch.equal(grad, grad.bfloat16().float()) for grad, _ in seen["masters"] if grad is not None)
     held = sum(grad.numel() * grad.element_size() for grad, _ in seen["masters"] if grad is not None)
     owned_elements = sum(n for (_, n), mine in zip(seen["masters"], owned) if mine)
     others = [grad for (grad, _), mine in zip(seen["masters"], owned) if not mine]
-    return all(g is None for g in seen["model"]), exact, finer_than_bf16, held, owned_elements, others
+    follow = all(torch.equal(lp, fp32.to(lp.dtype)) for lp, fp32 in ours.wiring.masters if fp32.numel())
+    return all(g is None for g in seen["model"]), exact, finer_than_bf16, held, owned_elements, others, follow
 
 
-def test_bf16_stage_2_steps_the_exact_fp32_node_mean_on_the_owned_masters_only(pool):
+@pytest.mark.parametrize("mesh", [MESH, {"replicate": 4, "shard": 1}], ids=["2x2", "4x1"])
+def test_bf16_stage_2_steps_the_exact_fp32_node_mean_on_the_owned_masters_only(pool, mesh):
     """masters.py: the node mean that backward reduces to the owner is the master copy's fp32 gradient itself, not
-    rounded to bf16 and widened again; no model param keeps a bf16 .grad beside it: 4 bytes per owned element."""
-    for no_model_grads, exact, finer_than_bf16, held, owned_elements, others in pool.run(
-            _bf16_stage2_gradients_at_the_step, timeout_s=TIMEOUT_S):
+    rounded to bf16 and widened again; no model param keeps a bf16 .grad beside it: 4 bytes per owned element. The
+    owned model params are their masters rounded after the step (a node of one rank owns them all: no gather)."""
+    for no_model_grads, exact, finer_than_bf16, held, owned_elements, others, follow in pool.run(
+            _bf16_stage2_gradients_at_the_step, mesh, timeout_s=TIMEOUT_S):
         assert no_model_grads
         assert exact and all(exact), exact
-        assert finer_than_bf16
-        assert held == 4 * owned_elements and others and all(g is None for g in others)
+        assert finer_than_bf16 and follow
+        assert held == 4 * owned_elements
+        assert all(g is None for g in others) and (bool(others) == (mesh["shard"] > 1))
 
 
 def _checkpoint_resumes(directory, stage, precision="fp32"):
