@@ -422,6 +422,31 @@ def test_overlap_backward_at_zero_2_equals_the_plain_step_and_starts_in_the_boun
         assert in_boundary > 0 and before_boundary == 0, (in_boundary, before_boundary)
 
 
+def _gather_in_windows(window_bytes):
+    """ZeroPartition.gather_weights over a node of 4 ranks: each rank's owned slots hold rank-specific values, the
+    others garbage; after the gather every rank holds the owners' values (in bf16 model weights where `weights` is
+    set, the fp32 masters rounded), whatever the window."""
+    from shardopt.deepspeed.zero import ZeroPartition
+    node = Axis("node", dist.group.WORLD)
+    shapes = [torch.Size(s) for s in ([7, 5], [33], [4, 4, 4], [1], [64, 3], [10])]
+    zero = ZeroPartition(shapes, node, 2, window_bytes=window_bytes)
+    values = [torch.randn(shape, generator=torch.Generator().manual_seed(slot)) for slot, shape in enumerate(shapes)]
+    masters = [v.clone() if zero.owns(slot) else torch.full(v.shape, float(dist.get_rank()))
+               for slot, v in enumerate(values)]
+    zero.gather_weights(masters)
+    fp32_same = all(torch.equal(m, v) for m, v in zip(masters, values))
+    zero.weights = [torch.zeros(shape, dtype=torch.bfloat16) for shape in shapes]
+    zero.gather_weights(masters)
+    bf16_same = all(torch.equal(w, v.bfloat16()) for w, v in zip(zero.weights, values))
+    return fp32_same, bf16_same
+
+
+@pytest.mark.parametrize("window_bytes", [None, 8, 100, 10**6])
+def test_gather_weights_in_windows_gives_every_rank_the_owners_values(pool, window_bytes):
+    for fp32_same, bf16_same in pool.run(_gather_in_windows, window_bytes, timeout_s=TIMEOUT_S):
+        assert fp32_same and bf16_same
+
+
 @pytest.mark.parametrize("sizes,parts", [([1024, 1024, 1024, 512, 256, 32, 32, 8], 2), ([7, 7, 7, 7, 7], 3),
                                          ([100], 4), ([5, 1, 1, 1, 1, 1], 2)])
 def test_owners_balance_within_the_largest_tensor_and_are_deterministic(sizes, parts):
