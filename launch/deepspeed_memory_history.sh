@@ -6,12 +6,15 @@
 #   owned-masters   b72af4c  fp32 masters only for the slots a rank owns (masters.py), a bf16 .grad beside the
 #                            wrapper's fp32 copy of it
 #   after           (this checkout)  the fp32 node mean is the owned master's gradient itself
+# shardopt's bucket_bytes 1 MiB: small beside this 12.7M-param model (51 MB in fp32), as the 16 MiB default is beside
+# a 1B-param one, so that step_peak shows what grows with the model, not one bucket's working copies.
 # 4 CPU ranks (gloo), ~4 minutes on 2 busy cores. Run from a git checkout:  bash launch/deepspeed_memory_history.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# (a fixed mmap threshold: freed buffers leave the RSS, whose high-water mark is the CPU's step_peak)
+export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MALLOC_MMAP_THRESHOLD_=65536
 out=results/deepspeed_zero_memory.csv
-bench=(torchrun --standalone --nproc_per_node 4 launch/bench/deepspeed_zero_memory.py --out "$out")
+bench=(torchrun --standalone --nproc_per_node 4 launch/bench/deepspeed_zero_memory.py --out "$out" --bucket-bytes 1048576)
 rm -f "$out"   # every label is measured anew, in this run
 for label_commit in before:3ff95c7 owned-masters:b72af4c; do
     label=${label_commit%%:*} commit=${label_commit#*:}
