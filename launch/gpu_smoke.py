@@ -13,8 +13,9 @@ Sections (SECTIONS below; each with a time bound, together 10 minutes):
   fsdp_overlap       -        integrations/fsdp/train.py with --overlap-backward off and on, bitwise equal
                               (tests/test_train_fsdp.py): gloo on the CPU; with a GPU also NCCL under
                               TORCH_CUDA_SANITIZER=1
-  deepspeed_memory   1 GPU    launch/bench/deepspeed_memory.py: bytes per parameter of the DeepSpeed plugin in
-                              bf16 (integrations/deepspeed/signmuon_bf16.json), torch.cuda.max_memory_allocated
+  deepspeed_memory   1 GPU    launch/bench/deepspeed_zero_memory.py --print-only: bytes per parameter of the
+                              DeepSpeed plugin (Sign-Muon, bf16, ZeRO 2) and of DeepSpeed's own ZeRO 2 on the
+                              GPU, by the tensor walk and by torch.cuda.max_memory_allocated
   nccl_2gpu          2 GPUs   the NCCL multi-rank tests of tests/test_train_fsdp.py (SHARDOPT_TEST_NCCL=1):
                               overlap off/on bitwise under the sanitizer on 2 replicas (Dion) and on 2 FSDP2
                               shards (Sign-Muon); Dion on 2 replicas learns and counts gloo's bytes
@@ -107,7 +108,7 @@ def command(section: Section) -> tuple[list[str], dict]:
     if section.name == "fsdp_overlap":
         return pytest + [f"{FSDP_TESTS}[gloo_1rank]", f"{FSDP_TESTS}[nccl_1rank]"], {"SHARDOPT_TEST_NCCL": "1"}
     if section.name == "deepspeed_memory":   # (env.sh sets DS_ACCELERATOR=cpu for the CPU tests)
-        return torchrun + ["launch/bench/deepspeed_memory.py"], {"DS_ACCELERATOR": "cuda"}
+        return torchrun + ["launch/bench/deepspeed_zero_memory.py", "--print-only"], {"DS_ACCELERATOR": "cuda"}
     if section.name == "nccl_2gpu":
         return pytest + [f"{FSDP_TESTS}[nccl_2ranks_dion_2x1]", f"{FSDP_TESTS}[nccl_2ranks_signmuon_1x2]",
                          "tests/test_train_fsdp.py::test_nccl_2ranks_dion_between_replicas_learns_and_counts_the_bytes_gloo_counts"

@@ -165,12 +165,15 @@ SOURCES = {
                             "--tokenizer bpe --optimizer signmuon --nonmatrix-algorithm lion",
                             "As torchft_localsteps.csv, per-step Sign-Muon + Lion: a round per step, a step whose "
                             "round is not committed runs again (launch/torchft_table.py)."),
-    "deepspeed_zero_memory.csv": ("DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 launch/bench/deepspeed_zero_memory.py "
-                                  "--label after",
-                                  "Bytes per parameter per rank by kind (weights, fp32 masters, gradients, optimizer "
-                                  "state, buffers), the DeepSpeed plugin's Sign-Muon bf16 at ZeRO 2 on a 2 × 2 mesh "
-                                  "against DeepSpeed's own ZeRO 2 AdamW bf16 on the same 4 CPU ranks; `before` rows: "
-                                  "the plugin before its masters were cut to the owned slots (issue 43)."),
+    "deepspeed_zero_memory.csv": ("bash launch/deepspeed_memory_history.sh",
+                                  "Bytes per parameter per rank, the DeepSpeed plugin's Sign-Muon bf16 at ZeRO 2 against "
+                                  "DeepSpeed's own ZeRO 2 AdamW bf16 measured in the same launch (GPT of 12.7M params, 4 "
+                                  "CPU ranks, largest over the ranks), all rows in one run: `before` the plugin at 3ff95c7 "
+                                  "(the stage-0 wrapper's masters), `owned-masters` at b72af4c, `after` this code, on the "
+                                  "2 × 2 mesh and on 1 × 4 (one partition over the 4 ranks, as DeepSpeed's). weights.."
+                                  "total: the tensors held (a walk of the engine, wrapper and optimizer; largest over 3 "
+                                  "moments); step_peak: the optimizer step's RSS high-water mark above what was held "
+                                  "before it (shardopt's bucket_bytes 1 MiB); device_peak: the allocator's peak, CUDA only."),
     "sizes.csv": ("python launch/bench/sizes.py --sizes S M --configs ddp_adamw local_muon_H30_sign_mean_b128 "
                   "muloco_H30 local_muon_H30_topk --steps 200   # (resumes: rows already there are kept)",
                   "Issue 42's campaign, begun: the benchmark GPT at sizes S, M, L (integrations/model.SIZES), 4 "

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")   # the CPU op compile
 
 import shardopt.deepspeed as sds  # noqa: E402
 from shardopt.optim import traffic  # noqa: E402
-from shardopt.wire.comm import Axis, collective_bytes  # noqa: E402
+from shardopt.wire.comm import Axis, collective_bytes, split_world  # noqa: E402
 from shardopt.optim.guard import replicas_equal  # noqa: E402
 from workers import WorkerPool  # noqa: E402
 
@@ -186,6 +186,50 @@ def test_bf16_stage_2_with_lion_trains_identically_and_the_client_path_matches(p
         assert identical and consistent
         assert losses[-1] < 0.8 * losses[0], losses
         assert same and client_stage == 1
+
+
+def _bf16_stage2_gradients_at_the_step(mesh):
+    """One step of 2 micro-batches; what the optimizer's step finds: the model params' .grad, the masters'; whether
+    the model's params are then their masters rounded to bf16."""
+    _env()
+    engine, *_ = sds.initialize(model=_model(), config=_config("SignMuon", 2, mesh, precision="bf16"))
+    ours = sds.shard_optimizer(engine)
+    local = {p: [] for p in engine.module.parameters()}   # each micro-batch's local gradient, before the reducer
+    for param in engine.module.parameters():
+        param.register_hook(lambda grad, param=param: local[param].append(grad.detach().float().clone()))
+    seen = {}
+    ours.register_step_pre_hook(lambda *_: seen.update(
+        model=[p.grad for p in engine.module.parameters()], masters=[(p.grad, p.numel()) for p in ours._slots()]))
+    _steps(engine, 1)
+    node, shard = split_world(mesh["replicate"], mesh["shard"])[1], mesh["shard"]
+    expected = []
+    for model_param, _ in ours.wiring.masters:   # slot order: (1/S)·Σ_node per micro-batch in fp32, then summed
+        means = [grad.clone() for grad in local[model_param]]
+        for mean in means:
+            dist.all_reduce(mean, group=node)
+        expected.append(means[0].div_(shard).add_(means[1].div_(shard)))
+    owned = [ours.zero.owns(slot) for slot in range(len(expected))]
+    exact = [torch.equal(grad, want) for (grad, _), want, mine in zip(seen["masters"], expected, owned) if mine]
+    finer_than_bf16 = any(not torch.equal(grad, grad.bfloat16().float()) for grad, _ in seen["masters"] if grad is not None)
+    held = sum(grad.numel() * grad.element_size() for grad, _ in seen["masters"] if grad is not None)
+    owned_elements = sum(n for (_, n), mine in zip(seen["masters"], owned) if mine)
+    others = [grad for (grad, _), mine in zip(seen["masters"], owned) if not mine]
+    follow = all(torch.equal(lp, fp32.to(lp.dtype)) for lp, fp32 in ours.wiring.masters if fp32.numel())
+    return all(g is None for g in seen["model"]), exact, finer_than_bf16, held, owned_elements, others, follow
+
+
+@pytest.mark.parametrize("mesh", [MESH, {"replicate": 4, "shard": 1}], ids=["2x2", "4x1"])
+def test_bf16_stage_2_steps_the_exact_fp32_node_mean_on_the_owned_masters_only(pool, mesh):
+    """masters.py: the node mean that backward reduces to the owner is the master copy's fp32 gradient itself, not
+    rounded to bf16 and widened again; no model param keeps a bf16 .grad beside it: 4 bytes per owned element. The
+    owned model params are their masters rounded after the step (a node of one rank owns them all: no gather)."""
+    for no_model_grads, exact, finer_than_bf16, held, owned_elements, others, follow in pool.run(
+            _bf16_stage2_gradients_at_the_step, mesh, timeout_s=TIMEOUT_S):
+        assert no_model_grads
+        assert exact and all(exact), exact
+        assert finer_than_bf16 and follow
+        assert held == 4 * owned_elements
+        assert all(g is None for g in others) and (bool(others) == (mesh["shard"] > 1))
 
 
 def _checkpoint_resumes(directory, stage, precision="fp32"):
@@ -376,6 +420,31 @@ def test_overlap_backward_at_zero_2_equals_the_plain_step_and_starts_in_the_boun
         # byte beside the has-gradient bytes (sent at ZeRO 2, where a rank lacks the gradients it does not own)
         assert sent[1] == sent[2] == sent[0] + 3 and sent[0] > 0, sent
         assert in_boundary > 0 and before_boundary == 0, (in_boundary, before_boundary)
+
+
+def _gather_in_windows(window_bytes):
+    """ZeroPartition.gather_weights over a node of 4 ranks: each rank's owned slots hold rank-specific values, the
+    others garbage; after the gather every rank holds the owners' values (in bf16 model weights where `weights` is
+    set, the fp32 masters rounded), whatever the window."""
+    from shardopt.deepspeed.zero import ZeroPartition
+    node = Axis("node", dist.group.WORLD)
+    shapes = [torch.Size(s) for s in ([7, 5], [33], [4, 4, 4], [1], [64, 3], [10])]
+    zero = ZeroPartition(shapes, node, 2, window_bytes=window_bytes)
+    values = [torch.randn(shape, generator=torch.Generator().manual_seed(slot)) for slot, shape in enumerate(shapes)]
+    masters = [v.clone() if zero.owns(slot) else torch.full(v.shape, float(dist.get_rank()))
+               for slot, v in enumerate(values)]
+    zero.gather_weights(masters)
+    fp32_same = all(torch.equal(m, v) for m, v in zip(masters, values))
+    zero.weights = [torch.zeros(shape, dtype=torch.bfloat16) for shape in shapes]
+    zero.gather_weights(masters)
+    bf16_same = all(torch.equal(w, v.bfloat16()) for w, v in zip(zero.weights, values))
+    return fp32_same, bf16_same
+
+
+@pytest.mark.parametrize("window_bytes", [None, 8, 100, 10**6])
+def test_gather_weights_in_windows_gives_every_rank_the_owners_values(pool, window_bytes):
+    for fp32_same, bf16_same in pool.run(_gather_in_windows, window_bytes, timeout_s=TIMEOUT_S):
+        assert fp32_same and bf16_same
 
 
 @pytest.mark.parametrize("sizes,parts", [([1024, 1024, 1024, 512, 256, 32, 32, 8], 2), ([7, 7, 7, 7, 7], 3),

@@ -106,3 +106,16 @@ def test_a_failed_compile_is_an_error_not_an_eager_time(monkeypatch):
     monkeypatch.setattr(polar_module, "_compiled", {"failed": RuntimeError("no compiler here")})
     with pytest.raises(polar_compile.CompileFailed, match="2×16×16 torch.float32 .* RuntimeError: no compiler here"):
         polar_compile.measure([(2, 16, 16)], torch.device("cpu"), torch.float32, rounds=1)
+
+
+def test_the_deepspeed_memory_section_runs_the_memory_script_whose_meshes_fit_the_world():
+    argv, env = gpu_smoke.command(next(s for s in gpu_smoke.SECTIONS if s.name == "deepspeed_memory"))
+    script = next(arg for arg in argv if arg.endswith(".py"))
+    assert (ROOT / script).exists() and "--print-only" in argv and env == {"DS_ACCELERATOR": "cuda"}
+    pytest.importorskip("deepspeed")
+    import deepspeed_zero_memory as memory
+    assert [memory.default_meshes(w) for w in (1, 2, 4, 8)] == [["1x1"], ["1x2"], ["2x2", "1x4"], ["4x2", "1x8"]]
+    assert memory.parse_mesh("2X2", 4) == (2, 2)
+    for bad, message in (("3x2", "R·S = 4"), ("2by2", "is not RxS")):
+        with pytest.raises(SystemExit, match=message):
+            memory.parse_mesh(bad, 4)

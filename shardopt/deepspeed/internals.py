@@ -22,7 +22,8 @@ are still checked).
 | `FP16_UnfusedOptimizer._skip_invalid_grad_norm()` | local steps: where its step skips; the round counts it |
 | `FP16_UnfusedOptimizer.loss_scale`, `._global_grad_norm` | loss scale; the agreed gradient norm the engine logs |
 | `FP16_UnfusedOptimizer.loss_scale_config.cur_scale`, `unscale_and_clip_grads` multiplying by `1. / combined_scale` | overlap_backward: the master copy's gradient made in backward as the step makes it |
-| `FP16_UnfusedOptimizer.fp16_groups / fp32_groups` read anew by `step`, `zero_grad`, `refresh_fp32_params` | ZeRO 2: the owned pairs only (masters.py) |
+| `FP16_UnfusedOptimizer.fp16_groups / fp32_groups` read anew by `step`, `zero_grad`; `step`'s `fp16_param.grad.to(fp32_param.dtype)` | ZeRO 2: the owned masters only, in both lists: the fp32 node mean is the master's gradient as it is (masters.py) |
+| `FP16_UnfusedOptimizer.refresh_fp32_params()` | ZeRO 2: replaced, the owned masters from their model params (masters.py) |
 | `FP16_UnfusedOptimizer.load_state_dict(state_dict, load_optimizer_states)` copying `state_dict['fp32_groups']` | ZeRO 2: wrapped to load the loss scale only; each rank's own state and masters from its files |
 | `optimizer.checkpoint_event_prologue()` | averages the momenta before engine.save_checkpoint |
 | `deepspeed.utils.groups._get_data_parallel_group()` | the data-parallel group (the replicate axis at stage 0) |
@@ -67,7 +68,9 @@ def missing_internals(deepspeed) -> list[str]:
         "FP16_UnfusedOptimizer.step uses overflow_checker and fp16_groups/fp32_groups":
             all(name in inspect.getsource(FP16_UnfusedOptimizer.step) for name in ("overflow_checker", "fp16_groups",
                                                                                     "fp32_groups", "_global_grad_norm",
-                                                                                    "_skip_invalid_grad_norm")),
+                                                                                    "_skip_invalid_grad_norm",
+                                                                                    "fp16_param.grad.to(fp32_param.dtype)")),
+        "FP16_UnfusedOptimizer.refresh_fp32_params": hasattr(FP16_UnfusedOptimizer, "refresh_fp32_params"),
         "FP16_UnfusedOptimizer.load_state_dict copies state_dict['fp32_groups'] into fp32_groups":
             "state_dict['fp32_groups']" in inspect.getsource(FP16_UnfusedOptimizer.load_state_dict)
             and "load_optimizer_states" in inspect.signature(FP16_UnfusedOptimizer.load_state_dict).parameters,

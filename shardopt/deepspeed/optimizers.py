@@ -93,8 +93,8 @@ class _EngineSide:
         # state tensors per element: AdamW keeps two moments, the others one (Dion's Q is small beside M)
         costs = [p.numel() * (2 if group["algorithm"] == "adamw" else 1) for group in self.param_groups
                  for p in group["params"]]
-        self.zero = ZeroPartition([p.shape for p in self._slots()], self.node, zero_stage, costs) \
-            if node_mesh is not None else None
+        self.zero = ZeroPartition([p.shape for p in self._slots()], self.node, zero_stage, costs,
+                                  window_bytes=self.bucket_bytes) if node_mesh is not None else None
         self.overlap_backward = overlap_backward
 
     def _slots(self) -> list[torch.Tensor]:

@@ -91,11 +91,11 @@ class EngineWiring:
             self.masters = [pair for lp, fp32 in zip(wrapper.fp16_groups, wrapper.fp32_groups) for pair in zip(lp, fp32)]
             optimizer.replace_params(self.masters)
             model_params = [lp for lp, _ in self.masters]
-            self.patches.set(wrapper, "overflow_checker", AgreedOverflowCheck(model_params, side))
-            self.patches.set(wrapper, "checkpoint_event_prologue", side.checkpoint_event_prologue)
-            self._wrap_skipped_steps()
             if masters.applies(self):
                 masters.own_masters_only(self)
+            self.patches.set(wrapper, "overflow_checker", AgreedOverflowCheck(masters.gradient_holders(self), side))
+            self.patches.set(wrapper, "checkpoint_event_prologue", side.checkpoint_event_prologue)
+            self._wrap_skipped_steps()
         self._wrap_backward(model_params)
         if (side.zero is not None and side.zero.stage >= 1) or self.local_steps or getattr(side, "per_replica_state", False):
             self._wrap_checkpoints()   # per_replica_state: 1-bit Adam's error feedback (deepspeed/onebit.py)
@@ -204,7 +204,8 @@ class EngineWiring:
           gradient_accumulation_steps (loss_scale without scale_wrt_gas), whatever the engine multiplies
           the loss by, as DeepSpeed's fp16 wrapper expects when it unscales in step.
         - ZeRO stage 2: during backward each fresh local gradient goes to its owner (zero.BackwardReducer);
-          after it the owned node means are added to the owned gradients kept from earlier micro-batches.
+          after it the owned node means are added to the owned gradients kept from earlier micro-batches (on
+          the fp32 master copies under fp16/bf16: masters.gradient_holders).
           With overlap_backward, the boundary's owned gradients are handed to the optimizer as their reduces
           complete (`_hand_over`; the hooks on the params are the reducer's, the optimizer registers none).
         - fp16/bf16 at stage 0: hooks on the model params hand their gradients over (`_hand_over`) with
@@ -215,8 +216,9 @@ class EngineWiring:
         engine, optimizer = self.engine, self.side
         fp16 = engine.fp16_enabled()
         reducer, hand_over = None, self._hand_over()
+        holders = masters.gradient_holders(self) if self.wrapper is not None else model_params
         if optimizer.zero is not None and optimizer.zero.stage == 2:
-            reducer = BackwardReducer(optimizer.zero, model_params, optimizer.reduce_bucket_size)
+            reducer = BackwardReducer(optimizer.zero, model_params, optimizer.reduce_bucket_size, holders)
             self.hooks = reducer.hooks
         elif self.wrapper is not None:
             self.hooks = [param.register_post_accumulate_grad_hook(lambda param: hand_over(param, param.grad))
@@ -228,9 +230,9 @@ class EngineWiring:
             handle = _fp16_loss_gradient(engine, signature, loss, args, kwargs) if fp16 else None
             boundary = engine.is_gradient_accumulation_boundary()
             if reducer is not None:
-                reducer.begin([p.grad for p in model_params], hand_over if optimizer.overlap_backward and boundary else None)
-                for param in model_params:
-                    param.grad = None
+                reducer.begin([h.grad for h in holders], hand_over if optimizer.overlap_backward and boundary else None)
+                for holder in holders:
+                    holder.grad = None
             try:
                 with contextlib.nullcontext() if boundary else optimizer.accumulating():
                     result = original(loss, *args, **kwargs)
@@ -238,8 +240,8 @@ class EngineWiring:
                 if handle is not None:
                     handle.remove()
                 if reducer is not None:
-                    for param, grad in zip(model_params, reducer.end()):
-                        param.grad = grad
+                    for holder, grad in zip(holders, reducer.end()):
+                        holder.grad = grad
             return result
 
         backward.__doc__ = original.__doc__

@@ -55,9 +55,11 @@ class ZeroPartition:
     """Which rank of the node owns each parameter (slot = position in the optimizer's param order),
     and the two node-axis collectives of a step. stage 0: every rank owns every slot."""
 
-    def __init__(self, shapes: list[torch.Size], node: Axis, stage: int, costs: list[int] | None = None):
-        """costs: what each slot's optimizer state weighs (default: its element count), balanced over owners."""
-        self.node, self.stage = node, stage
+    def __init__(self, shapes: list[torch.Size], node: Axis, stage: int, costs: list[int] | None = None,
+                 window_bytes: int | None = None):
+        """costs: what each slot's optimizer state weighs (default: its element count), balanced over owners;
+        window_bytes: the most bytes gather_weights receives per all-gather (None: all at once)."""
+        self.node, self.stage, self.window_bytes = node, stage, window_bytes
         self.weights = None   # where gather_weights writes, when not the optimizer's params (masters.py)
         self.sizes = [int(torch.Size(shape).numel()) for shape in shapes]
         self.costs = costs or self.sizes
@@ -65,6 +67,7 @@ class ZeroPartition:
         by_owner = [[i for i, owner in enumerate(self.owners) if owner == k] for k in range(node.size)]
         self.chunk = max(sum(self.sizes[i] for i in slots) for slots in by_owner) if stage >= 1 else sum(self.sizes)
         self.order = [i for slots in by_owner for i in slots] if stage >= 1 else list(range(len(shapes)))
+        self.slots_of = by_owner   # stages 1/2: each owner's slots, in their order in its chunk
         self.offsets = {}
         for k, slots in enumerate(by_owner if stage >= 1 else [self.order]):
             offset = k * self.chunk
@@ -111,24 +114,40 @@ class ZeroPartition:
     @torch.no_grad()
     def gather_weights(self, params: list[torch.Tensor]) -> None:
         """Stages 1/2: every rank's params ← their owners' (all-gather over the node axis, in the
-        params' widest dtype, so the copy is exact). With `weights` set (the model's params, whose masters
-        this rank holds only where it owns them: masters.py) the other slots' gathered weights go there, in
-        their dtype: the owners' params rounded to it as the fp16/bf16 wrapper's copy rounds them."""
-        if self.stage == 0 or self.node.size == 1:
+        params' widest dtype, so the copy is exact), `window_bytes` of the gathered rows at a time: the
+        transient is ≤ (1 + 1/S)·window_bytes, not (1 + 1/S)·2Φ. With `weights` set (the model's params, whose
+        masters this rank holds only where it owns them: masters.py) the other slots' gathered weights go there,
+        in their dtype: the owners' params rounded to it as the fp16/bf16 wrapper's copy rounds them, and the
+        owned slots' own params too (the wrapper's copy-back is a no-op there: masters.py)."""
+        if self.stage == 0 or (self.node.size == 1 and self.weights is None):
             return
         targets = self.weights if self.weights is not None else params
         dtype = targets[0].dtype
         for param in targets:
             dtype = torch.promote_types(dtype, param.dtype)
-        mine = [i for i in self.order if self.owns(i)]
-        base = self.node.rank * self.chunk
-        chunk = torch.zeros(self.chunk, dtype=dtype, device=params[0].device)
-        for i in mine:
-            chunk[self.offsets[i] - base:self.offsets[i] - base + self.sizes[i]].copy_(params[i].reshape(-1))
-        gathered = self.node.all_gather(chunk).reshape(-1)
+        row_bytes = self.node.size * torch.empty((), dtype=dtype).element_size()
+        window = self.chunk if self.window_bytes is None else max(1, self.window_bytes // row_bytes)
+        for start in range(0, self.chunk, window):
+            stop = min(self.chunk, start + window)
+            piece = torch.zeros(stop - start, dtype=dtype, device=params[0].device)
+            for i, lo, hi, first in self._pieces(self.node.rank, start, stop):
+                piece[lo - start:hi - start].copy_(params[i].reshape(-1)[first:first + hi - lo])
+            gathered = self.node.all_gather(piece)
+            for owner in range(self.node.size):
+                for i, lo, hi, first in self._pieces(owner, start, stop) if owner != self.node.rank else ():
+                    targets[i].view(-1)[first:first + hi - lo].copy_(gathered[owner, lo - start:hi - start])
         for i, param in enumerate(targets):
-            if not self.owns(i):
-                param.copy_(gathered[self.offsets[i]:self.offsets[i] + self.sizes[i]].view(param.shape))
+            if self.owns(i) and param is not params[i]:
+                param.copy_(params[i])
+
+    def _pieces(self, owner: int, start: int, stop: int):
+        """(slot, lo, hi, first) for each slot of `owner` within [start, stop) of its chunk: chunk positions
+        [lo, hi) hold the slot's elements [first, first + hi − lo)."""
+        for i in self.slots_of[owner]:
+            begin = self.offsets[i] - owner * self.chunk
+            lo, hi = max(begin, start), min(begin + self.sizes[i], stop)
+            if lo < hi:
+                yield i, lo, hi, lo - begin
 
 
 class BackwardReducer:
@@ -143,10 +162,15 @@ class BackwardReducer:
     (kept alone, or None, on the others). deliver(param, g): with the exchange during backward, called
     as soon as an owned slot's reduce has completed, with the g `end()` will return for it (the same
     tensor, unless the slot is accumulated a second time in this backward, e.g. by reentrant checkpointing:
-    then a new one, which the optimizer sees as changed)."""
+    then a new one, which the optimizer sees as changed).
 
-    def __init__(self, partition: ZeroPartition, params: list[torch.Tensor], cap_elements: int):
+    holders: the tensor each slot's g is for, in its dtype (default: the params); under fp16/bf16 the owned
+    slots' fp32 master copies (masters.py): there the fp32 node mean is g itself, not a copy rounded to the param's."""
+
+    def __init__(self, partition: ZeroPartition, params: list[torch.Tensor], cap_elements: int,
+                 holders: list[torch.Tensor] | None = None):
         self.partition, self.params, self.cap = partition, params, int(cap_elements)
+        self.holders = params if holders is None else holders
         self.active, self.pending, self.in_flight = False, deque(), 0
         self.kept, self.deliver, self.results, self.delivered, self.reduces = [], None, {}, {}, {}
         self.hooks = [param.register_post_accumulate_grad_hook(functools.partial(self._ready, slot))
@@ -183,8 +207,8 @@ class BackwardReducer:
     def _gradient(self, slot: int, in_place: bool) -> torch.Tensor | None:
         """g of the class doc for `slot`, from what has completed so far (in_place: summed into kept)."""
         old, new = self.kept[slot], self.results.get(slot)
-        param = self.params[slot]
-        new = None if new is None else new.view(param.shape).to(param.dtype)
+        holder = self.holders[slot]
+        new = None if new is None else new.view(holder.shape).to(holder.dtype)
         if old is None or new is None:
             return new if old is None else old
         return old.add_(new) if in_place else old + new
