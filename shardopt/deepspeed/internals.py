@@ -31,6 +31,7 @@ are still checked).
 | `deepspeed.init_distributed()`, `deepspeed.comm.is_initialized()` | `client_optimizer` before deepspeed.comm is up |
 | `deepspeed.accelerator.get_accelerator().is_fp16_supported()` | fp16 refused on devices without it |
 | `deepspeed.moe.layer.MoE` | MoE expert params refused |
+| `param.ds_id`, `param.ds_shape` (set on params built under `deepspeed.zero.Init`) | such a model refused, its shape named (tests/test_deepspeed_zero3.py builds one) |
 """
 
 from __future__ import annotations
