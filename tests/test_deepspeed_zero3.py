@@ -9,7 +9,7 @@ for Dion and Sign-Muon:
   on its owner (not once per micro-batch); inside the node each owned weight is broadcast twice per
   micro-batch in place of stage 2's all-gather after the step (counted bytes);
 - the four ranks' weights are bitwise identical; the loss goes down;
-- bf16 (non-matrix params on Lion's vote) matches bf16 stage 2 bitwise;
+- bf16 (non-matrix params on Lion's vote, gradient_clipping 0.5: the agreed norm) matches bf16 stage 2 bitwise;
 - engine.save_checkpoint / load_checkpoint resume on the saving run's trajectory exactly;
 - a model built under deepspeed.zero.Init is refused with an error naming the fix.
 """
@@ -86,6 +86,8 @@ def _counting(counts: dict):
 def _run(optimizer, stage, precision="fp32"):
     config = _config(optimizer, stage, MESH, precision, vote="allreduce_int8" if optimizer == "SignMuon" else None,
                      nonmatrix_algorithm="lion" if precision == "bf16" else "adamw")
+    if precision == "bf16":
+        config["gradient_clipping"] = 0.5   # the agreed norm (ν over the replicas, the node's owned parts summed)
     engine, *_ = sds.initialize(model=_model(), config=config)
     ours = sds.shard_optimizer(engine)
     counts, per_step = {"newton_schulz": 0, "power_iteration": 0}, []
@@ -102,7 +104,9 @@ def _run(optimizer, stage, precision="fp32"):
     with sds.gathered_weights(engine):
         weights = [p.detach().float().clone() for p in engine.module.parameters()]
         identical = replicas_equal([p.detach() for p in engine.module.parameters()], Axis("replicate", dist.group.WORLD))
-    return {"losses": losses, "weights": weights, "identical": identical, "held": held,
+    consistent = ours.replicas_consistent()   # (every rank calls it: collectives)
+    return {"losses": losses, "weights": weights, "identical": identical and consistent, "held": held,
+            "grad_norm": float(engine.get_global_grad_norm()),
             "owned_param_bytes": _owned_param_bytes(engine) if ours.zero is not None else None,
             "gather_bytes": (ours.zero.chunk * next(engine.module.parameters()).element_size()
                              if ours.zero is not None else None),
@@ -129,7 +133,7 @@ def test_stage_3_is_stage_2_bitwise_with_the_weights_released(pool, optimizer, p
               f"stage3 {three['replicate_bytes']}; node B stage2 {two['node_bytes']} stage3 {three['node_bytes']}; "
               f"loss {three['losses'][0]:.4f} -> {three['losses'][-1]:.4f}; matrix directions/step {three['matrix_directions']}")
         assert three["engine_stage"] == 0                    # DeepSpeed runs stage 0; shardopt partitions
-        assert three["losses"] == two["losses"]               # bitwise
+        assert three["losses"] == two["losses"] and three["grad_norm"] == two["grad_norm"]   # bitwise
         assert all(torch.equal(a, b) for a, b in zip(three["weights"], two["weights"]))
         assert three["replicate_bytes"] == two["replicate_bytes"] > 0
         assert three["identical"] and two["identical"]

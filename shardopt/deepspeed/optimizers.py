@@ -3,6 +3,8 @@ overflow, the fp16/bf16 master copies, the checkpoint hook, the ZeRO 1/2 partiti
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..wire.comm import Axis
@@ -162,9 +164,12 @@ class _EngineSide:
 
     @torch.no_grad()
     def replicas_consistent(self) -> bool:
-        """True when every parameter is bitwise equal on every data-parallel rank (both axes)."""
+        """True when every parameter is bitwise equal on every data-parallel rank (both axes; at ZeRO 3 with every
+        weight gathered for the check)."""
         weights = self._slots() if self.zero is None or self.zero.weights is None else self.zero.weights   # masters.py
-        return super().replicas_consistent() and replicas_equal([local(p) for p in weights], self.node)
+        release = getattr(self.wiring, "release", None)
+        with release.all_gathered() if release is not None else contextlib.nullcontext():
+            return super().replicas_consistent() and replicas_equal([local(p) for p in weights], self.node)
 
 
 class DeepSpeedDion(_EngineSide, Dion):
