@@ -10,7 +10,8 @@ for Dion and Sign-Muon:
   micro-batch in place of stage 2's all-gather after the step (counted bytes);
 - the four ranks' weights are bitwise identical; the loss goes down;
 - bf16 (non-matrix params on Lion's vote, gradient_clipping 0.5: the agreed norm) matches bf16 stage 2 bitwise;
-- engine.save_checkpoint / load_checkpoint resume on the saving run's trajectory exactly;
+- engine.save_checkpoint / load_checkpoint resume on the saving run's trajectory exactly; detach() restores
+  every weight on every rank;
 - a model built under deepspeed.zero.Init is refused with an error naming the fix.
 """
 
@@ -158,19 +159,22 @@ def _checkpoint_resumes(directory, precision):
     _steps(resumed, 3)
     with sds.gathered_weights(saving), sds.gathered_weights(resumed):
         diff = max((a - b).abs().max().item() for a, b in zip(saving.module.parameters(), resumed.module.parameters()))
-    return path is not None, diff, held
+    sds.detach(resumed)   # the model whole again on every rank, as DeepSpeed built it
+    whole = _held_bytes(resumed)["params"] == sum(p.numel() * p.element_size() for p in resumed.module.parameters())
+    return path is not None, diff, held, whole
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_engine_checkpoint_at_stage_3_resumes_on_the_same_trajectory(pool, tmp_path, precision):
     """DeepSpeed writes data-parallel rank 0's whole model (gathered for the save); each rank its own partition
     (and fp32 masters in bf16) next to it; after the save (and 3 more steps) and after the load only the owned
-    weights are held."""
-    for loaded, diff, (after_save, after_load, owned) in pool.run(_checkpoint_resumes, str(tmp_path), precision,
-                                                                  timeout_s=TIMEOUT_S):
+    weights are held; shardopt.deepspeed.detach(engine) gives every rank the whole model back."""
+    for loaded, diff, (after_save, after_load, owned), whole in pool.run(_checkpoint_resumes, str(tmp_path),
+                                                                         precision, timeout_s=TIMEOUT_S):
         assert loaded
         assert diff == 0
         assert after_save == after_load == owned
+        assert whole
 
 
 def _zero_init_refused():
