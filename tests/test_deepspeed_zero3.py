@@ -12,7 +12,8 @@ for Dion and Sign-Muon:
 - bf16 (non-matrix params on Lion's vote, gradient_clipping 0.5: the agreed norm) matches bf16 stage 2 bitwise;
 - engine.save_checkpoint / load_checkpoint resume on the saving run's trajectory exactly; detach() restores
   every weight on every rank;
-- a model built under deepspeed.zero.Init is refused with an error naming the fix.
+- a model built under deepspeed.zero.Init trains bitwise as the same model built normally (its partitions
+  gathered into ds_shape weights before the param groups are made); at stage 2 it is refused naming the fix.
 """
 
 import pytest
@@ -177,22 +178,43 @@ def test_engine_checkpoint_at_stage_3_resumes_on_the_same_trajectory(pool, tmp_p
         assert whole
 
 
-def _zero_init_refused():
+def _zero_init_model(config):
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        return _model()
+
+
+def _zero_init_runs_as_a_plain_model():
+    """The same config on the same model built normally and under zero.Init (whose 2-D weights are 1-D partitions
+    until shardopt gathers them), 3 steps each; and zero.Init at stage 2."""
     _env()
-    config = _config("Dion", 3, MESH)
-    with deepspeed.zero.Init(config_dict_or_path={**config, "zero_optimization": {"stage": 3}}):
-        model = _model()
+    config = _config("SignMuon", 3, MESH, vote="allreduce_int8")
+    runs = {}
+    for name, model in (("plain", _model()), ("zero_init", _zero_init_model(config))):
+        placeholder = tuple(next(model.parameters()).shape)
+        engine, *_ = sds.initialize(model=model, config=config)
+        losses = [_steps(engine, 1) for _ in range(3)]
+        held, owned = _held_bytes(engine)["params"], _owned_param_bytes(engine)
+        matrices = len(sds.shard_optimizer(engine).param_groups[0]["params"])   # the matrix group
+        with sds.gathered_weights(engine):
+            weights = [p.detach().clone() for p in engine.module.parameters()]
+        runs[name] = (placeholder, losses, weights, held == owned, matrices)
     try:
-        sds.initialize(model=model, config=config)
-    except NotImplementedError as error:
-        return str(error)
-    return None
+        sds.initialize(model=_zero_init_model(config), config=_config("SignMuon", 2, MESH))
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    return runs, refusal
 
 
-def test_a_model_built_under_zero_init_is_refused_naming_the_fix(pool):
-    for message in pool.run(_zero_init_refused, timeout_s=TIMEOUT_S):
-        assert message is not None and "deepspeed.zero.Init" in message and "ds_shape (32, 16)" in message
-        assert "build the model without zero.Init" in message
+def test_a_model_built_under_zero_init_trains_as_the_same_model_built_normally(pool):
+    for runs, refusal in pool.run(_zero_init_runs_as_a_plain_model, timeout_s=TIMEOUT_S):
+        plain, zero_init = runs["plain"], runs["zero_init"]
+        assert plain[0] == (32, 16) and zero_init[0] == (0,)    # zero.Init's placeholder of the first weight
+        assert zero_init[1] == plain[1]                          # losses, bitwise
+        assert all(torch.equal(a, b) for a, b in zip(zero_init[2], plain[2]))
+        assert zero_init[3] and plain[3]                         # only the owned weights held
+        assert zero_init[4] == plain[4] == MATRICES              # every 2-D weight in the matrix group (ds_shape)
+        assert refusal is not None and "deepspeed.zero.Init" in refusal and "set it to 3" in refusal
 
 
 def _broadcast_inside_nodes():

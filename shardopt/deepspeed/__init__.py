@@ -61,7 +61,8 @@ What the plugin changes in the engine, and why:
   weights all-gathered inside the node. Stage 3 (zero3.py) keeps each weight on its
   owner only and broadcasts a module's weights inside the node while it runs (forward and
   backward): stage 2's math bitwise, weights ≈ 1/S per rank. A model built under
-  deepspeed.zero.Init is refused (build it without; the weights are released when the engine is built).
+  deepspeed.zero.Init has its partitions gathered into ds_shape weights first (whole on every rank until
+  the engine is wired).
 - Gradient clipping: "gradient_clipping" is taken out of the engine's config and
   done by the optimizer with a norm agreed over the replicas (shardopt/optim/clipping.py,
   the same path as the optimizer's max_grad_norm, the node axis added at ZeRO 1/2),

@@ -45,11 +45,6 @@ DOCUMENTED_LR = {"dion": (0.01, 0.02), "signmuon": (1e-3, 3e-3), "signmuon_post_
 LR_WARN_FACTOR = 10
 HF_DEFAULT_LEARNING_RATE = 5e-5
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000   # elements, DeepSpeed's default: the stage-2 gradients in flight
-FSDP2_HINT = ("use shardopt with FSDP2 HSDP: fully_shard(model, mesh=mesh['shard']) and "
-              "{name}(..., replicate_mesh=mesh['replicate'], shard_mesh=mesh['shard']) shard weights, gradients and "
-              "optimizer state inside a node and send only the compressed exchange across nodes "
-              "(see integrations/fsdp/train.py)")
-
 
 @dataclass
 class PluginSetup:
@@ -160,17 +155,16 @@ def _check_supported(config: dict, zero: dict, stage: int, model, mpu, name: str
 
 
 def _check_stage_3(config: dict, zero: dict, stage: int, model, name: str) -> None:
-    """What shardopt's ZeRO stage 3 (zero3.py) does not do, refused; DeepSpeed's stage-3 tuning knobs, which act on
-    DeepSpeed's own parameter fetching (shardopt gathers each module's params itself), named in a warning."""
+    """What shardopt's ZeRO stage 3 (zero3.py) does not do, refused, and a zero.Init model at another stage;
+    DeepSpeed's stage-3 tuning knobs, which act on DeepSpeed's own parameter fetching (shardopt gathers each
+    module's params itself), named in a warning."""
     initialized = [(n, p) for n, p in (model.named_parameters() if model is not None else ()) if hasattr(p, "ds_id")]
-    if initialized:
+    if initialized and stage != 3:
         param_name, param = initialized[0]
-        raise NotImplementedError(f"the model was built under deepspeed.zero.Init (parameter {param_name!r} is one of "
-                                  f"DeepSpeed's partitions, shape {tuple(param.shape)}, ds_shape "
-                                  f"{tuple(getattr(param, 'ds_shape', ()))}); "
-                                  f"shardopt's {name} does not take zero.Init's partitions yet: build the model "
-                                  f"without zero.Init (at ZeRO stage 3 shardopt releases the weights each rank does not "
-                                  f"own when the engine is built), or {FSDP2_HINT.format(name=name)}")
+        raise ValueError(f"the model was built under deepspeed.zero.Init (parameter {param_name!r} is one of its "
+                         f"partitions, ds_shape {tuple(getattr(param, 'ds_shape', ()))}), which partitions weights for "
+                         f"ZeRO stage 3, and the config sets zero_optimization.stage = {stage}: set it to 3, or build "
+                         f"the model without zero.Init")
     if stage != 3:
         return
     knobs = sorted(key for key in zero if key.startswith("stage3_") or key in ("sub_group_size", "memory_efficient_linear"))

@@ -34,7 +34,9 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 
+from ..wire.comm import Axis
 from .optimizers import engine_side
 from .zero import ZeroPartition
 
@@ -173,3 +175,35 @@ def engine_wiring(engine):
     """The EngineWiring of a shardopt engine (None when it is not wired)."""
     optimizer = getattr(engine, "basic_optimizer", None)
     return engine_side(optimizer).wiring if optimizer is not None and hasattr(optimizer, "param_groups") else None
+
+
+def whole_params(model: torch.nn.Module, model_parameters=None):
+    """A model built under deepspeed.zero.Init made whole, before the optimizer's param groups read its shapes: each
+    param that is one of zero.Init's partitions (`ds_id`; its `ds_tensor` is this rank's piece of the flattened
+    weight, rank r holding elements [r·k, (r+1)·k), the last padded) is all-gathered over its `ds_process_group`
+    (through the comm layer) and replaced in every module holding it by an ordinary Parameter of shape `ds_shape`,
+    so a matrix is never read as zero.Init's 1-D placeholder. Returns `model_parameters` (tensors or param-group
+    dicts) with the same replacements. Every rank holds the whole model until the engine is wired (then only what
+    it owns: WeightRelease)."""
+    replaced = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if hasattr(param, "ds_id"):
+                replaced.setdefault(id(param), _gathered(param))
+                setattr(module, name, replaced[id(param)])
+    if model_parameters is None or not replaced:
+        return model_parameters
+
+    def swap(param):
+        return replaced.get(id(param), param)
+    return [{**item, "params": [swap(p) for p in item["params"]]} if isinstance(item, dict) else swap(item)
+            for item in model_parameters]
+
+
+@torch.no_grad()
+def _gathered(param) -> torch.nn.Parameter:
+    """The whole weight of one zero.Init partition (whole_params), as a new Parameter."""
+    axis = Axis("node", getattr(param, "ds_process_group", None) or dist.group.WORLD)
+    pieces = axis.all_gather(param.ds_tensor.reshape(-1))
+    whole = pieces.reshape(-1)[:param.ds_numel].view(param.ds_shape).clone()
+    return torch.nn.Parameter(whole, requires_grad=param.requires_grad)
