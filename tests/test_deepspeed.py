@@ -573,7 +573,7 @@ def _write_corpus(directory) -> None:
     (directory / "meta.json").write_text('{"vocab_size": 256, "dtype": "uint8"}')
 
 
-@pytest.mark.parametrize("config", ["dion_bf16", "signmuon_bf16", "signmuon_lion_bf16",
+@pytest.mark.parametrize("config", ["dion_bf16", "dion_zero3_bf16", "signmuon_bf16", "signmuon_lion_bf16",
                                     pytest.param("signmuon_fp16", marks=needs_fp16), "adamw"])
 def test_train_script_runs_under_torchrun(config, tmp_path):
     """The GPT of integrations/model.py on a small byte corpus in the prepared layout."""

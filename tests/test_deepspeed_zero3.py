@@ -10,6 +10,7 @@ for Dion and Sign-Muon:
   micro-batch in place of stage 2's all-gather after the step (counted bytes);
 - the four ranks' weights are bitwise identical; the loss goes down;
 - bf16 (non-matrix params on Lion's vote, gradient_clipping 0.5: the agreed norm) matches bf16 stage 2 bitwise;
+- an infinite gradient on one rank skips the step on all four (fp32 and bf16), weights untouched;
 - engine.save_checkpoint / load_checkpoint resume on the saving run's trajectory exactly; detach() restores
   every weight on every rank;
 - a model built under deepspeed.zero.Init trains bitwise as the same model built normally (its partitions
@@ -28,7 +29,7 @@ import shardopt.algorithms.polar as polar_module  # noqa: E402
 import shardopt.deepspeed as sds  # noqa: E402
 from shardopt.optim.guard import replicas_equal  # noqa: E402
 from shardopt.wire.comm import Axis, split_world  # noqa: E402
-from test_deepspeed_zero import MESH, _config, _env, _model, _save_and_resume, _steps  # noqa: E402
+from test_deepspeed_zero import MESH, _config, _data, _env, _model, _save_and_resume, _steps  # noqa: E402
 from workers import WorkerPool  # noqa: E402
 
 TIMEOUT_S = 300
@@ -176,6 +177,37 @@ def test_engine_checkpoint_at_stage_3_resumes_on_the_same_trajectory(pool, tmp_p
         assert diff == 0
         assert after_save == after_load == owned
         assert whole
+
+
+def _inf_on_one_rank_skips_everywhere(precision):
+    """2 steps, then a step whose second micro-batch has an infinite loss on rank 0 only, then 2 more."""
+    _env()
+    engine, *_ = sds.initialize(model=_model(), config=_config("SignMuon", 3, MESH, precision, vote="allreduce_int8"))
+    _steps(engine, 2)
+    with sds.gathered_weights(engine):
+        before = [p.detach().clone() for p in engine.module.parameters()]
+    x, y = _data()
+    dtype = next(engine.module.parameters()).dtype
+    for micro in range(2):
+        loss = ((engine(x[4 * micro:4 * micro + 4].to(dtype)).float() - y[4 * micro:4 * micro + 4]) ** 2).mean()
+        engine.backward(loss * float("inf") if micro == 1 and dist.get_rank() == 0 else loss)
+        engine.step()
+    with sds.gathered_weights(engine):
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+    skipped = engine.skipped_steps
+    losses = [_steps(engine, 1) for _ in range(2)]
+    held = _held_bytes(engine)["params"] == _owned_param_bytes(engine)
+    return skipped, unchanged, sds.shard_optimizer(engine).replicas_consistent(), held, losses
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_inf_gradient_on_one_rank_skips_the_stage_3_step_on_every_rank(pool, precision):
+    """fp32: the optimizer's agreed non-finite check; bf16: the wrapper's overflow check, agreed over all ranks.
+    The weights stay as they were, the replicas identical, and training goes on."""
+    for skipped, unchanged, consistent, held, losses in pool.run(_inf_on_one_rank_skips_everywhere, precision,
+                                                                 timeout_s=TIMEOUT_S):
+        assert skipped == 1 and unchanged and consistent and held
+        assert all(loss == loss and abs(loss) < float("inf") for loss in losses), losses
 
 
 def _zero_init_model(config):
