@@ -23,7 +23,9 @@ on top of stage 2's reduces, and no all-gather after the step.
 
 Parameters used outside the forward of a module holding them (e.g. `F.linear(x, self.wte.weight)` in a parent's
 forward) are not gathered there: tie them as module attributes (`lm_head.weight = wte.weight`) so each module
-holding them gathers them. `engine.save_checkpoint` / `load_checkpoint` run with every weight gathered (DeepSpeed
+holding them gathers them. The backward gather hooks the tensors of a module's output found in tensors, tuples,
+lists and dicts (HF's ModelOutput is a dict), as DeepSpeed's own stage 3 does; a tensor inside another kind of
+object is not seen. `engine.save_checkpoint` / `load_checkpoint` run with every weight gathered (DeepSpeed
 writes data-parallel rank 0's whole model); `gathered_weights(engine)` does the same for code that reads the
 model's weights (state_dict, evaluation without hooks).
 """
