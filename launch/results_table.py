@@ -51,7 +51,7 @@ SOURCES = {
                              "Per method, the (lr, non-matrix lr) with the lowest mean final val loss over the seeds "
                              "it ran, and the replicate-axis bytes of the whole run."),
     "deepspeed_zero.csv": ("torchrun --nproc_per_node 4 launch/bench/deepspeed_zero.py",
-                           "The DeepSpeed plugin at ZeRO stages 0, 1 and 2 (CPU, gloo, 4 ranks: 4 replicas, or 2 "
+                           "The DeepSpeed plugin at ZeRO stages 0, 1, 2 and 3 (CPU, gloo, 4 ranks: 4 replicas, or 2 "
                            "nodes × 2): optimizer state, gradient, master and weight bytes per rank, bytes per step "
                            "on each axis, whether the replicas stayed identical, the first and last loss."),
     "fashion_mnist.csv": ("python launch/bench/fashion_mnist.py",

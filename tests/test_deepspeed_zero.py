@@ -232,9 +232,8 @@ def test_bf16_stage_2_steps_the_exact_fp32_node_mean_on_the_owned_masters_only(p
         assert all(g is None for g in others) and (bool(others) == (mesh["shard"] > 1))
 
 
-def _checkpoint_resumes(directory, stage, precision="fp32"):
-    _env()
-    config = _config("SignMuon", stage, MESH, precision=precision, vote="allreduce_int8")
+def _save_and_resume(directory, config):
+    """An engine saved after 3 steps and continued for 3 more; a fresh one (on other weights) loading that save."""
     saving, *_ = sds.initialize(model=_model(), config=config)
     _steps(saving, 3)
     saving.save_checkpoint(directory, tag="step3")
@@ -245,6 +244,13 @@ def _checkpoint_resumes(directory, stage, precision="fp32"):
             p.add_(1.0)            # the load must overwrite these
     resumed, *_ = sds.initialize(model=model, config=config)
     path, _ = resumed.load_checkpoint(directory, tag="step3")
+    return saving, resumed, path
+
+
+def _checkpoint_resumes(directory, stage, precision="fp32"):
+    _env()
+    saving, resumed, path = _save_and_resume(directory, _config("SignMuon", stage, MESH, precision=precision,
+                                                                vote="allreduce_int8"))
     owned_state = len(sds.shard_optimizer(resumed).state)
     _steps(resumed, 3)
     diff = max((a - b).abs().max().item() for a, b in zip(saving.module.parameters(), resumed.module.parameters()))

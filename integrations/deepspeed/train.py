@@ -7,10 +7,11 @@
     deepspeed --num_gpus 8 integrations/deepspeed/train.py \\
         --deepspeed_config integrations/deepspeed/signmuon_bf16.json --steps 500
 
-Configs: dion_bf16.json, signmuon_bf16.json, signmuon_fp16.json (shardopt: the
+Configs: dion_bf16.json (dion_zero3_bf16.json: the same at ZeRO stage 3), signmuon_bf16.json, signmuon_fp16.json (shardopt: the
 engine's gradient all-reduce is off and the optimizer exchanges low-rank factors
 or 1-bit votes itself), signmuon_local_steps_bf16.json (Sign-Muon inside local
-steps: the replicas sync every 10 steps), onebit_adam_bf16.json (DeepSpeed's removed
+steps: the replicas sync every 10 steps), signmuon_lion_bf16.json (Sign-Muon with the non-matrix params on
+Lion: every parameter crosses as a 1-bit vote), onebit_adam_bf16.json (DeepSpeed's removed
 "OneBitAdam" config, run by shardopt: exact Adam for freeze_step steps, then a 1-bit momentum
 exchange) and adamw.json (the baseline: DeepSpeed's full-precision all-reduce). `shardopt.deepspeed.initialize` reads the config's "optimizer"
 section and hands every other optimizer type to deepspeed.initialize unchanged.

@@ -1,17 +1,18 @@
-"""DeepSpeed ZeRO stages 0/1/2 with shardopt on 2 nodes × 2 ranks: memory per rank, bytes per axis, replicas.
+"""DeepSpeed ZeRO stages 0/1/2/3 with shardopt on 2 nodes × 2 ranks: memory per rank, bytes per axis, replicas.
 
     torchrun --nproc_per_node 4 launch/bench/deepspeed_zero.py            # CPU, gloo, ~1 min
     torchrun --nproc_per_node 4 launch/bench/deepspeed_zero.py --steps 20 --n-embd 128
 
 The GPT of integrations/model.py in bf16 under shardopt.deepspeed.initialize, for Dion (rank 1/4) and
-Sign-Muon, at "zero_optimization" stage 0 (every rank a replica, the plugin's default) and stages 1
-and 2 with "shardopt": {"mesh": {"replicate": 2, "shard": 2}}; random tokens, each rank its own.
+Sign-Muon, at "zero_optimization" stage 0 (every rank a replica, the plugin's default) and stages 1,
+2 and 3 with "shardopt": {"mesh": {"replicate": 2, "shard": 2}}; random tokens, each rank its own.
 Per configuration (the largest value over the 4 ranks where ranks differ):
   state      bytes of the tensors in shard_optimizer(engine).state
   state/S0   state over stage 0's; "owned" is the formula, the rank's share of the state from the partition
              itself (Σ owned elements × state tensors per element / Σ all), 1/S up to whole-tensor balance
   grads      bytes of the model's .grad tensors held between backward and the step (bf16)
-  masters    bytes of DeepSpeed's fp32 master copies (not partitioned by the plugin)
+  masters    bytes of DeepSpeed's fp32 master copies (stages 2/3: the owned slots only)
+  weights    bytes of the model's bf16 weights held between steps (their storage; stage 3: the owned ones)
   repl B/st  replicate-axis bytes per step (between nodes); shard B/st the same inside a node
   identical  all four ranks' weights bitwise equal; loss: mean over ranks, first → last step
 Writes results/deepspeed_zero.csv.
@@ -68,7 +69,8 @@ def run(args, optimizer: str, stage: int) -> dict:
     stats = ours.comm_stats()
     mean = torch.tensor([losses[0], losses[-1]])
     dist.all_reduce(mean)
-    identical = replicas_equal([p.detach() for p in engine.module.parameters()], Axis("replicate", dist.group.WORLD))
+    with shardopt.deepspeed.gathered_weights(engine):   # stage 3: every weight whole for the comparison
+        identical = replicas_equal([p.detach() for p in engine.module.parameters()], Axis("replicate", dist.group.WORLD))
     zero = ours.zero
     owned = sum(c for i, c in enumerate(zero.costs) if zero.owns(i)) / sum(zero.costs) if zero else 1.0
     row = {"optimizer": optimizer, "stage": stage, "mesh": f"{MESH['replicate']}x{MESH['shard']}" if stage else "4x1",
@@ -76,7 +78,7 @@ def run(args, optimizer: str, stage: int) -> dict:
            "state_bytes": tensor_bytes(v for s in ours.state.values() for v in s.values() if torch.is_tensor(v)),
            "owned_fraction": owned, "grad_bytes": grads,
            "master_bytes": tensor_bytes(p for g in engine.optimizer.fp32_groups for p in g),
-           "weight_bytes": tensor_bytes(engine.module.parameters()),
+           "weight_bytes": sum(p.untyped_storage().nbytes() for p in engine.module.parameters()),
            "replicate_bytes_per_step": stats["replicate"]["bytes_sent"] / args.steps,
            "shard_bytes_per_step": stats["shard"]["bytes_sent"] / args.steps,
            "identical": identical,
@@ -97,10 +99,10 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, default=ROOT / "results" / "deepspeed_zero.csv")
     args = parser.parse_args()
     os.environ.setdefault("LOCAL_WORLD_SIZE", "2")
-    rows = [run(args, optimizer, stage) for optimizer in OPTIMIZERS for stage in (0, 1, 2)]
+    rows = [run(args, optimizer, stage) for optimizer in OPTIMIZERS for stage in (0, 1, 2, 3)]
     if dist.get_rank() == 0:
         header = (f"{'optimizer':>9} {'stage':>5} {'mesh':>4} {'state B':>9} {'state/S0':>8} {'owned':>7} "
-                  f"{'grads B':>8} {'masters B':>9} {'repl B/st':>9} {'repl/S0':>7} {'shard B/st':>10} "
+                  f"{'grads B':>8} {'masters B':>9} {'weights B':>9} {'repl B/st':>9} {'repl/S0':>7} {'shard B/st':>10} "
                   f"{'identical':>9}  loss")
         print(header)
         for row in rows:
@@ -109,7 +111,7 @@ def main() -> None:
             row["replicate_vs_stage0"] = row["replicate_bytes_per_step"] / base["replicate_bytes_per_step"]
             print(f"{row['optimizer']:>9} {row['stage']:>5} {row['mesh']:>4} {row['state_bytes']:>9,} "
                   f"{row['state_vs_stage0']:>8.2f} {row['owned_fraction']:>7.2f} {row['grad_bytes']:>8,} "
-                  f"{row['master_bytes']:>9,} {row['replicate_bytes_per_step']:>9,.0f} {row['replicate_vs_stage0']:>7.2f} "
+                  f"{row['master_bytes']:>9,} {row['weight_bytes']:>9,} {row['replicate_bytes_per_step']:>9,.0f} {row['replicate_vs_stage0']:>7.2f} "
                   f"{row['shard_bytes_per_step']:>10,.0f} {str(row['identical']):>9}  "
                   f"{row['loss_first']:.3f} → {row['loss_last']:.3f}")
         rounded = [{key: round(value, 4) if isinstance(value, float) else value for key, value in row.items()}

@@ -43,7 +43,8 @@ error naming the shardopt config doing their job (onebit.py; integrations/deepsp
 One file per concern: `config.py` (what the plugin reads from the config),
 `optimizers.py` (the optimizer classes DeepSpeed drives: agreed clipping and
 overflow), `onebit.py` (the removed 1-bit family's configs), `zero.py` (ZeRO stages 1/2 with the compressed exchange across
-nodes), `engine.py` (building the optimizer; the entry points), `wiring.py`
+nodes), `zero3.py` (stage 3: the weights released outside the modules using them), `masters.py` (fp32 master
+copies of the owned slots only), `engine.py` (building the optimizer; the entry points), `wiring.py`
 (every change to the engine, owned by one EngineWiring with detach()),
 `registration.py` (register / unregister), `internals.py` (every DeepSpeed
 internal the plugin touches, checked on load).
@@ -53,13 +54,15 @@ What the plugin changes in the engine, and why:
 - Gradient exchange: `engine.enable_backward_allreduce = False` (as DeepSpeed's
   1-bit Adam does), so backward leaves each rank's *local* gradient; the
   optimizer's step does the compressed exchange once per accumulated batch.
-- ZeRO: DeepSpeed's ZeRO 1/2 optimizers flatten the gradients and average them
-  themselves, so DeepSpeed is given stage 0 and shardopt runs stages 1/2
+- ZeRO: DeepSpeed's ZeRO optimizers flatten the gradients and average them
+  themselves, so DeepSpeed is given stage 0 and shardopt runs stages 1-3
   (zero.py): state partitioned over the ranks of a node, gradients reduced to their owners
   inside the node at full precision, only the compressed exchange across nodes,
-  weights all-gathered inside the node. Stage 3 is refused: it partitions the
-  weights too, which is shardopt's FSDP2 HSDP path (fully_shard + replicate_mesh /
-  shard_mesh) already, without DeepSpeed's on-the-fly gathering of flat pieces.
+  weights all-gathered inside the node. Stage 3 (zero3.py) keeps each weight on its
+  owner only and broadcasts a module's weights inside the node while it runs (forward and
+  backward): stage 2's math bitwise, weights ≈ 1/S per rank. A model built under
+  deepspeed.zero.Init has its partitions gathered into ds_shape weights first (whole on every rank until
+  the engine is wired).
 - Gradient clipping: "gradient_clipping" is taken out of the engine's config and
   done by the optimizer with a norm agreed over the replicas (shardopt/optim/clipping.py,
   the same path as the optimizer's max_grad_norm, the node axis added at ZeRO 1/2),
@@ -111,6 +114,7 @@ otherwise an error says so.
 from .engine import attach, client_optimizer, detach, engine_config, initialize, shard_optimizer, shutdown
 from .optimizers import DeepSpeedDion, DeepSpeedSignMuon
 from .registration import register, unregister
+from .zero3 import gathered_weights
 
 __all__ = ["initialize", "register", "unregister", "shard_optimizer", "engine_config", "client_optimizer", "attach",
-           "detach", "shutdown", "DeepSpeedDion", "DeepSpeedSignMuon"]
+           "detach", "shutdown", "gathered_weights", "DeepSpeedDion", "DeepSpeedSignMuon"]

@@ -45,11 +45,6 @@ DOCUMENTED_LR = {"dion": (0.01, 0.02), "signmuon": (1e-3, 3e-3), "signmuon_post_
 LR_WARN_FACTOR = 10
 HF_DEFAULT_LEARNING_RATE = 5e-5
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000   # elements, DeepSpeed's default: the stage-2 gradients in flight
-FSDP2_HINT = ("use shardopt with FSDP2 HSDP instead: fully_shard(model, mesh=mesh['shard']) and "
-              "{name}(..., replicate_mesh=mesh['replicate'], shard_mesh=mesh['shard']) shard weights, gradients and "
-              "optimizer state inside a node and send only the compressed exchange across nodes "
-              "(see integrations/fsdp/train.py)")
-
 
 @dataclass
 class PluginSetup:
@@ -112,7 +107,7 @@ def plugin_setup(config: dict, model=None, mpu=None, *, fp16_supported=None) -> 
     _check_supported(config, zero, stage, model, mpu, name, fp16_supported)
     engine_config = copy.deepcopy(config)
     engine_config["gradient_clipping"] = 0.0            # clipped by the optimizer, the same on every replica
-    engine_config["zero_optimization"] = {"stage": 0}   # stages 1/2 are done by shardopt (see zero.py)
+    engine_config["zero_optimization"] = {"stage": 0}   # stages 1-3 are done by shardopt (zero.py, zero3.py)
     engine_config.pop("optimizer", None)
     engine_config.pop("shardopt", None)
     options = _optimizer_options(cls, optimizer_config.get("params") or {}, name)
@@ -132,14 +127,13 @@ def _positive_int(value, name: str) -> int:
 
 
 def _check_supported(config: dict, zero: dict, stage: int, model, mpu, name: str, fp16_supported) -> None:
-    if stage not in (0, 1, 2):
-        raise ValueError(f"shardopt's {name} runs under DeepSpeed with ZeRO stages 0, 1 and 2, and the config sets "
-                         f"zero_optimization.stage = {stage}. ZeRO stage 3 also partitions the weights, which "
-                         f"DeepSpeed gathers on the fly as flat pieces; for that, {FSDP2_HINT.format(name=name)}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+    _check_stage_3(config, zero, stage, model, name)
     refused = [key for key in REFUSED_ZERO_KEYS if zero.get(key)]
     if refused:
         raise ValueError(f"zero_optimization.{refused[0]} is not supported with shardopt's {name} (the plugin runs "
-                         f"ZeRO stages 1 and 2 itself, without offload or quantized collectives); remove it")
+                         f"ZeRO stages 1, 2 and 3 itself, without offload or quantized collectives); remove it")
     if (config.get("fp16") or {}).get("enabled") and fp16_supported is not None and not fp16_supported():
         raise ValueError("the config enables \"fp16\", which DeepSpeed's accelerator does not support on this device "
                          "(its CPU accelerator needs mkldnn fp16: torch.ops.mkldnn._is_mkldnn_fp16_supported() is "
@@ -158,6 +152,33 @@ def _check_supported(config: dict, zero: dict, stage: int, model, mpu, name: str
                                   f"expert-parallel ranks and must be averaged over the expert-data-parallel group, "
                                   f"not over all replicas. Train MoE models with shardopt under FSDP2 (3-D expert "
                                   f"stacks are a batch of matrices there), or use DeepSpeed's own optimizer")
+
+
+def _check_stage_3(config: dict, zero: dict, stage: int, model, name: str) -> None:
+    """What shardopt's ZeRO stage 3 (zero3.py) does not do, refused, and a zero.Init model at another stage;
+    DeepSpeed's stage-3 tuning knobs, which act on DeepSpeed's own parameter fetching (shardopt gathers each
+    module's params itself), named in a warning."""
+    initialized = [(n, p) for n, p in (model.named_parameters() if model is not None else ()) if hasattr(p, "ds_id")]
+    if initialized and stage != 3:
+        param_name, param = initialized[0]
+        raise ValueError(f"the model was built under deepspeed.zero.Init (parameter {param_name!r} is one of its "
+                         f"partitions, ds_shape {tuple(getattr(param, 'ds_shape', ()))}), which partitions weights for "
+                         f"ZeRO stage 3, and the config sets zero_optimization.stage = {stage}: set it to 3, or build "
+                         f"the model without zero.Init")
+    if stage != 3:
+        return
+    knobs = sorted(key for key in zero if key.startswith("stage3_") or key in ("sub_group_size", "memory_efficient_linear"))
+    if knobs:
+        warnings.warn(f"zero_optimization.{', '.join(knobs)} tune DeepSpeed's own stage-3 parameter fetching, which "
+                      f"does not run with shardopt's {name}: shardopt gathers each module's params from their owners "
+                      f"inside the node (shardopt/deepspeed/zero3.py) and these settings have no effect; remove them "
+                      f"to silence this warning", UserWarning, stacklevel=4)
+    if str((config.get("optimizer") or {}).get("type", "")).lower() in ONEBIT_OPTIMIZERS:
+        raise ValueError(f"{name} runs at ZeRO stages 0, 1 and 2; set zero_optimization.stage to 2 (its state is "
+                         f"partitioned there) or use \"type\": \"SignMuon\" / \"Dion\" at stage 3")
+    if (config.get("shardopt") or {}).get("local_steps") is not None:
+        raise ValueError("\"shardopt\": {\"local_steps\": ...} runs at ZeRO stages 0, 1 and 2 (each rank syncs and "
+                         "keeps whole weights between rounds); set zero_optimization.stage to 2, or remove local_steps")
 
 
 def _mesh(mesh, stage: int) -> tuple[int, int] | None:

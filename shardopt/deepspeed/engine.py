@@ -13,7 +13,7 @@ import torch
 from ..wire.comm import split_world
 from ..optim.groups import describe_groups
 from ..optim.optimizer import ShardOptimizer
-from . import internals
+from . import internals, zero3
 from .config import (PluginSetup, build_param_groups, check_scheduler, load_config, plugin_setup, read_config,
                      scale_scheduler_lrs)
 from .optimizers import DeepSpeedLocalSteps, engine_side
@@ -39,6 +39,8 @@ def initialize(*args, **kwargs):
     if call.get("model") is None:
         raise ValueError("shardopt.deepspeed.initialize needs model=... to build the param groups")
     _check_accelerate_counts_every_rank()
+    if setup.zero_stage == 3:   # a model built under deepspeed.zero.Init: whole params before the groups (zero3.py)
+        call["model_parameters"] = zero3.whole_params(call["model"], call.get("model_parameters"))
     built = []
     given = call.get("model_parameters") is not None
     if given:
@@ -91,6 +93,8 @@ def client_optimizer(model, config, model_parameters=None) -> ShardOptimizer | D
     setup = plugin_setup(load_config(config), model, fp16_supported=internals.fp16_supported)
     if setup is None:
         raise ValueError("the config's \"optimizer\" type must be \"Dion\" or \"SignMuon\" for shardopt")
+    if setup.zero_stage == 3:   # a model built under deepspeed.zero.Init: whole params (zero3.py)
+        model_parameters = zero3.whole_params(model, model_parameters)
     return _build(setup, model, model_parameters, check_lr_scheduler=True)
 
 

@@ -32,6 +32,7 @@ are still checked).
 | `deepspeed.init_distributed()`, `deepspeed.comm.is_initialized()` | `client_optimizer` before deepspeed.comm is up |
 | `deepspeed.accelerator.get_accelerator().is_fp16_supported()` | fp16 refused on devices without it |
 | `deepspeed.moe.layer.MoE` | MoE expert params refused |
+| `param.ds_id`, `ds_shape`, `ds_numel`, `ds_tensor`, `ds_process_group` (params built under `deepspeed.zero.Init`; rank r's `ds_tensor` = elements [r·k, (r+1)·k) of the flattened weight, padded) | stage 3: gathered into whole weights (zero3.whole_params); other stages: refused (tests/test_deepspeed_zero3.py builds one) |
 """
 
 from __future__ import annotations

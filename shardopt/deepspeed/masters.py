@@ -26,9 +26,9 @@ import torch
 
 
 def applies(wiring) -> bool:
-    """Under fp16/bf16 at ZeRO 2 (not under local steps, whose outer state and checkpoints hold every master)."""
+    """Under fp16/bf16 at ZeRO 2 and 3 (not under local steps, whose outer state and checkpoints hold every master)."""
     zero = wiring.side.zero
-    return wiring.wrapper is not None and zero is not None and zero.stage == 2 and not wiring.local_steps
+    return wiring.wrapper is not None and zero is not None and zero.stage >= 2 and not wiring.local_steps
 
 
 def own_masters_only(wiring) -> None:

@@ -3,6 +3,8 @@ overflow, the fp16/bf16 master copies, the checkpoint hook, the ZeRO 1/2 partiti
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..wire.comm import Axis
@@ -56,7 +58,7 @@ class _EngineSide:
     """What a shardopt optimizer needs under a DeepSpeed engine (mixed into Dion and SignMuon).
 
     max_grad_norm: clip every replica's gradient by the same factor; 0 turns clipping off.
-    zero_stage, node_mesh: ZeRO stage (0, 1, 2) and the process group of this rank's node (the "node"
+    zero_stage, node_mesh: ZeRO stage (0, 1, 2, 3) and the process group of this rank's node (the "node"
         axis of zero.py); node_mesh=None: no node axis (stage 0, every data-parallel rank a replica).
     reduce_bucket_size: stage 2, the most elements of gradients in flight to their owners during backward.
     overlap_backward: each bucket's exchange starts during engine.backward (docs/design.md §12; engine.backward
@@ -81,8 +83,8 @@ class _EngineSide:
                  reduce_bucket_size: int = 500_000_000, node_mesh=None, overlap_backward: bool = False, **kwargs):
         if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm >= 0):
             raise ValueError(f"Invalid gradient_clipping: {max_grad_norm!r}; it must be a number ≥ 0")
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"Invalid zero_stage: {zero_stage!r}; shardopt runs ZeRO stages 0, 1 and 2")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"Invalid zero_stage: {zero_stage!r}; shardopt runs ZeRO stages 0, 1, 2 and 3")
         self.max_grad_norm = float(max_grad_norm)
         self.reduce_bucket_size = reduce_bucket_size
         self._global_grad_norm = None
@@ -121,7 +123,7 @@ class _EngineSide:
         skipped = self.skipped_steps
         loss = super().step(closure)
         self.overflow = self.skipped_steps != skipped    # a non-finite gradient on some replica
-        if self.zero is not None and not self.overflow:
+        if self.zero is not None and not self.overflow and self.zero.stage < 3:   # stage 3: gathered in use (zero3.py)
             self.zero.gather_weights(params)
         return loss
 
@@ -162,9 +164,12 @@ class _EngineSide:
 
     @torch.no_grad()
     def replicas_consistent(self) -> bool:
-        """True when every parameter is bitwise equal on every data-parallel rank (both axes)."""
+        """True when every parameter is bitwise equal on every data-parallel rank (both axes; at ZeRO 3 with every
+        weight gathered for the check)."""
         weights = self._slots() if self.zero is None or self.zero.weights is None else self.zero.weights   # masters.py
-        return super().replicas_consistent() and replicas_equal([local(p) for p in weights], self.node)
+        release = getattr(self.wiring, "release", None)
+        with release.all_gathered() if release is not None else contextlib.nullcontext():
+            return super().replicas_consistent() and replicas_equal([local(p) for p in weights], self.node)
 
 
 class DeepSpeedDion(_EngineSide, Dion):

@@ -11,12 +11,13 @@ inert: a step on non-zero gradients raises). What is changed, and why (shardopt/
 | engine | `enable_backward_allreduce` | False: backward leaves local gradients, the optimizer exchanges |
 | engine | `backward` | fp16: the loss scale (DeepSpeed#8393); ZeRO 2: each gradient reduced to its owner; before the accumulation boundary under `optimizer.accumulating()` (overlap_backward) |
 | engine | `save_checkpoint`, `load_checkpoint` | ZeRO 1/2: each rank's own partition next to DeepSpeed's files; local steps: each rank's optimizer state and params |
-| fp16/bf16 wrapper | `fp16_groups`, `fp32_groups`, `load_state_dict`; the masters of slots owned elsewhere | ZeRO 2: fp32 master copies only for the owned slots, the gather into the model's params (masters.py) |
+| fp16/bf16 wrapper | `fp16_groups`, `fp32_groups`, `load_state_dict`; the masters of slots owned elsewhere | ZeRO 2/3: fp32 master copies only for the owned slots, the gather into the model's params (masters.py) |
 | fp16/bf16 wrapper | `overflow_checker` | a check agreed over all data-parallel ranks |
 | fp16/bf16 wrapper | `checkpoint_event_prologue` | the momenta averaged before DeepSpeed gathers the state |
 | fp16/bf16 wrapper | `_skip_invalid_grad_norm` | local steps: a skipped step still counts towards the round; overlap_backward: the work begun in backward is dropped |
 | optimizer | `wiring` (the inner one under local steps); its params ↔ the wrapper's fp32 master copies | `replace_params` both ways |
-| params | post-accumulate-grad hooks | ZeRO 2 (zero.BackwardReducer), fp16/bf16: with overlap_backward each final gradient handed to the optimizer's round |
+| engine, modules, params | `backward`, `save_checkpoint`, `load_checkpoint`; forward hooks; post-accumulate-grad hooks | ZeRO 3: the weights not owned here released outside the modules using them (zero3.py) |
+| params | post-accumulate-grad hooks | ZeRO 2/3 (zero.BackwardReducer), fp16/bf16: with overlap_backward each final gradient handed to the optimizer's round |
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import torch
 
 from ..checkpoint import load_optimizer_state, load_tensors, save_optimizer_state, save_tensors
-from . import internals, masters
+from . import internals, masters, zero3
 from .optimizers import AgreedOverflowCheck, DeepSpeedLocalSteps, engine_side
 from .zero import BackwardReducer
 
@@ -99,6 +100,8 @@ class EngineWiring:
         self._wrap_backward(model_params)
         if (side.zero is not None and side.zero.stage >= 1) or self.local_steps or getattr(side, "per_replica_state", False):
             self._wrap_checkpoints()   # per_replica_state: 1-bit Adam's error feedback (deepspeed/onebit.py)
+        if side.zero is not None and side.zero.stage == 3:
+            zero3.release_weights(self, model_params)   # the weights too, on their owners only (zero3.py)
         self.patches.set(side, "wiring", self)
         if side.overlap_backward:
             side.overlap_backward = True   # its hooks again: none where hand_over gives it the gradients
@@ -217,7 +220,7 @@ class EngineWiring:
         fp16 = engine.fp16_enabled()
         reducer, hand_over = None, self._hand_over()
         holders = masters.gradient_holders(self) if self.wrapper is not None else model_params
-        if optimizer.zero is not None and optimizer.zero.stage == 2:
+        if optimizer.zero is not None and optimizer.zero.stage >= 2:
             reducer = BackwardReducer(optimizer.zero, model_params, optimizer.reduce_bucket_size, holders)
             self.hooks = reducer.hooks
         elif self.wrapper is not None:

@@ -14,7 +14,7 @@ this rank sends and receives with the volume of the standard algorithm
 | reduce_scatter  | (M−1)·S / M                 |
 
 (integer division of the product); `reduce` to one rank: each other rank sends S, the root
-receives (M−1)·S. No other module calls torch.distributed
+receives (M−1)·S; `broadcast` from one rank: the root sends (M−1)·S, each other rank receives S. No other module calls torch.distributed
 collectives. Every collective can run asynchronously (`async_op=True` returns
 a `Pending`), so the step scheduler can overlap one bucket's communication with
 another bucket's compute.
@@ -292,15 +292,26 @@ class Axis(Rounds):
         """In place on axis rank `dst`: tensor ← Σ over the axis (the others' tensors are left as they are
         or overwritten: do not read them). Counted as a direct reduce: every other rank sends its
         tensor, `dst` receives (M−1) of them."""
+        return self._rooted(dist.reduce, tensor, dst, async_op, root_sends=False)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False):
+        """In place: tensor ← axis rank `src`'s tensor on every rank of the axis (an exact copy). Counted as a
+        direct broadcast: `src` sends its tensor to each of the M−1 others, each of them receives it once."""
+        return self._rooted(dist.broadcast, tensor, src, async_op, root_sends=True)
+
+    def _rooted(self, collective, tensor: torch.Tensor, root: int, async_op: bool, root_sends: bool):
+        """A collective between axis rank `root` and each other rank, one tensor each way (reduce: to the root;
+        broadcast: from it); the root counts (M−1) tensors, the others one."""
         if self.size == 1:
             return self._issue(None, lambda: tensor, async_op)
         nbytes = tensor.numel() * tensor.element_size()
-        if self.rank == dst:
-            self.bytes_received += (self.size - 1) * nbytes
+        moved = (self.size - 1) * nbytes if self.rank == root else nbytes
+        if (self.rank == root) == root_sends:
+            self.bytes_sent += moved
         else:
-            self.bytes_sent += nbytes
+            self.bytes_received += moved
         self.calls += 1
-        work = self._start(dist.reduce, tensor, dst=self._global_rank(dst))
+        work = self._start(collective, tensor, self._global_rank(root))
         return self._issue(work, lambda: tensor, async_op)
 
     def _global_rank(self, rank: int) -> int:

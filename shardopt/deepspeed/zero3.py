@@ -1,0 +1,211 @@
+"""ZeRO stage 3 done by shardopt: the weights partitioned inside a node as well (docs/design.md §14).
+
+At stages 1/2 (zero.py) each parameter is owned, whole, by one rank of its node, which alone keeps its
+optimizer state (and, under fp16/bf16, its fp32 master copy: masters.py) and steps it. Stage 3 also keeps the
+parameter itself on its owner only: on the node's other ranks its storage is released (0 bytes; the tensor
+object, its shape and dtype stay, so autograd, the engine and the optimizer keep holding the same objects)
+whenever no module that uses it runs. For a module m whose own parameters (recurse=False) are trained:
+
+    forward pre-hook of m     gather m's params: broadcast from each one's owner over the node axis (exact copies)
+    forward hook of m         release them; if an output needs a gradient, a hook gathers them again when the
+                              first gradient of m's outputs arrives in backward (before m's backward runs)
+    after p's gradient        stage 2's reduce of p's gradient to its owner (zero.BackwardReducer), then p released
+    end of engine.backward    every param not owned here released (what no gradient reached, e.g. frozen paths)
+    step                      each owner steps what it owns (the stage-2 math); nothing is gathered after it
+
+so the optimizer step, the gradients (the node means reduced to their owners in the same order) and the
+compressed exchange across nodes (the replicate axis) are those of stage 2, bitwise: the weights a module
+computes with are the owner's, copied. A parameter's gathers are counted (a parameter shared by two modules is
+released when the last one ends), the count is the same on every rank of the node, so every rank issues the same
+broadcasts in the same order. Per rank: the params and the optimizer state of the owned slots, plus the params
+of the modules running; bytes inside the node per micro-batch: each param broadcast twice (forward, backward)
+on top of stage 2's reduces, and no all-gather after the step.
+
+Parameters used outside the forward of a module holding them (e.g. `F.linear(x, self.wte.weight)` in a parent's
+forward) are not gathered there: tie them as module attributes (`lm_head.weight = wte.weight`) so each module
+holding them gathers them. The backward gather hooks the tensors of a module's output found in tensors, tuples,
+lists and dicts (HF's ModelOutput is a dict), as DeepSpeed's own stage 3 does; a tensor inside another kind of
+object is not seen. `engine.save_checkpoint` / `load_checkpoint` run with every weight gathered (DeepSpeed
+writes data-parallel rank 0's whole model); `gathered_weights(engine)` does the same for code that reads the
+model's weights (state_dict, evaluation without hooks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+
+from ..wire.comm import Axis
+from .optimizers import engine_side
+from .zero import ZeroPartition
+
+
+class WeightRelease:
+    """The stage-3 weights of a model (module doc): `params` in the partition's slot order."""
+
+    def __init__(self, partition: ZeroPartition, model: torch.nn.Module, params: list[torch.Tensor]):
+        self.partition = partition
+        self.params = list(params)
+        self.owner = {id(p): partition.owners[slot] for slot, p in enumerate(self.params)}
+        self.gathers = {id(p): 0 for p in self.params}
+        self.sizes = {id(p): p.untyped_storage().nbytes() for p in self.params}
+        for slot, param in enumerate(self.params):
+            if param.storage_offset() != 0 or not param.is_contiguous() or \
+                    self.sizes[id(param)] != param.numel() * param.element_size():
+                raise ValueError(f"ZeRO stage 3 releases each parameter's own storage, and parameter {slot} (shape "
+                                 f"{tuple(param.shape)}) is a view into a larger one (e.g. a flat buffer): give every "
+                                 f"parameter its own tensor, or use ZeRO stage 2")
+        self.hooks = []
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in self.owner]
+            if own:
+                self.hooks.append(module.register_forward_pre_hook(functools.partial(self._before_forward, own)))
+                self.hooks.append(module.register_forward_hook(functools.partial(self._after_forward, own)))
+        for param in self.params:
+            self.hooks.append(param.register_post_accumulate_grad_hook(lambda p: self.release([p])))
+        self.release_all()
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return self.owner[id(param)] == self.partition.node.rank
+
+    @torch.no_grad()
+    def gather(self, params: list[torch.Tensor]) -> None:
+        """Count a use of each param; the first use brings a released one back from its owner (broadcast)."""
+        for param in params:
+            self.gathers[id(param)] += 1
+            if self.gathers[id(param)] > 1:
+                continue
+            if not self.owns(param):
+                param.untyped_storage().resize_(self.sizes[id(param)])
+            self.partition.node.broadcast(param.data, self.owner[id(param)])
+
+    def release(self, params: list[torch.Tensor]) -> None:
+        """End a use of each param; a param not owned here and no longer used gives its storage back."""
+        for param in params:
+            self.gathers[id(param)] = max(self.gathers[id(param)] - 1, 0)
+            if self.gathers[id(param)] == 0 and not self.owns(param):
+                param.untyped_storage().resize_(0)
+
+    def release_all(self) -> None:
+        """Every param not owned here released, whatever its count (the end of a backward)."""
+        for param in self.params:
+            self.gathers[id(param)] = 1
+        self.release(self.params)
+
+    def _before_forward(self, params, module, args) -> None:
+        self.gather(params)
+
+    def _after_forward(self, params, module, args, output) -> None:
+        self.release(params)
+        needing = [t for t in _tensors(output) if t.requires_grad]
+        if needing and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(needing, lambda grads: self.gather(params), mode="any")
+
+    @contextlib.contextmanager
+    def all_gathered(self):
+        """Every param whole on every rank of the node inside the block, released again after it."""
+        self.gather(self.params)
+        try:
+            yield
+        finally:
+            self.release(self.params)
+
+    def detach(self) -> None:
+        """The hooks removed and every param whole again on every rank (the model as it was before the wiring)."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        self.gather(self.params)
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or tuples, lists and dicts of them)."""
+    if torch.is_tensor(output):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
+def release_weights(wiring, model_params: list[torch.Tensor]) -> WeightRelease:
+    """Stage 3 on an EngineWiring (after its stage-2 backward and checkpoint wrappers): the weights released
+    (module doc); engine.backward ends with every param not owned here released; engine.save_checkpoint and
+    load_checkpoint run with every weight gathered. Each change recorded in the wiring's Patches."""
+    engine = wiring.engine
+    release = WeightRelease(wiring.side.zero, engine.module, model_params)
+    wiring.patches.on_undo(release.detach)
+    backward, save, load = engine.backward, engine.save_checkpoint, engine.load_checkpoint
+
+    def backward_releasing(*args, **kwargs):
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            release.release_all()
+
+    def save_gathered(*args, **kwargs):
+        with release.all_gathered():
+            return save(*args, **kwargs)
+
+    def load_gathered(*args, **kwargs):
+        with release.all_gathered():
+            return load(*args, **kwargs)
+
+    for name, function, original in (("backward", backward_releasing, backward), ("save_checkpoint", save_gathered, save),
+                                     ("load_checkpoint", load_gathered, load)):
+        function.__doc__ = original.__doc__
+        wiring.patches.set(engine, name, function)
+    wiring.patches.set(wiring, "release", release)
+    return release
+
+
+@contextlib.contextmanager
+def gathered_weights(engine):
+    """Inside the block every weight of a stage-3 engine's model is whole on every rank (for reading them:
+    `engine.module.state_dict()` copies, evaluation code); released again after it. Call it on every rank.
+    At stages 0-2 the weights are whole already: nothing to do."""
+    release = getattr(engine_wiring(engine), "release", None)
+    with release.all_gathered() if release is not None else contextlib.nullcontext():
+        yield
+
+
+def engine_wiring(engine):
+    """The EngineWiring of a shardopt engine (None when it is not wired)."""
+    optimizer = getattr(engine, "basic_optimizer", None)
+    return engine_side(optimizer).wiring if optimizer is not None and hasattr(optimizer, "param_groups") else None
+
+
+def whole_params(model: torch.nn.Module, model_parameters=None):
+    """A model built under deepspeed.zero.Init made whole, before the optimizer's param groups read its shapes: each
+    param that is one of zero.Init's partitions (`ds_id`; its `ds_tensor` is this rank's piece of the flattened
+    weight, rank r holding elements [r·k, (r+1)·k), the last padded) is all-gathered over its `ds_process_group`
+    (through the comm layer) and replaced in every module holding it by an ordinary Parameter of shape `ds_shape`,
+    so a matrix is never read as zero.Init's 1-D placeholder. Returns `model_parameters` (tensors or param-group
+    dicts) with the same replacements. Every rank holds the whole model until the engine is wired (then only what
+    it owns: WeightRelease)."""
+    replaced = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if hasattr(param, "ds_id"):
+                replaced.setdefault(id(param), _gathered(param))
+                setattr(module, name, replaced[id(param)])
+    if model_parameters is None or not replaced:
+        return model_parameters
+
+    def swap(param):
+        return replaced.get(id(param), param)
+    return [{**item, "params": [swap(p) for p in item["params"]]} if isinstance(item, dict) else swap(item)
+            for item in model_parameters]
+
+
+@torch.no_grad()
+def _gathered(param) -> torch.nn.Parameter:
+    """The whole weight of one zero.Init partition (whole_params), as a new Parameter."""
+    axis = Axis("node", getattr(param, "ds_process_group", None) or dist.group.WORLD)
+    pieces = axis.all_gather(param.ds_tensor.reshape(-1))
+    whole = pieces.reshape(-1)[:param.ds_numel].view(param.ds_shape).clone()
+    return torch.nn.Parameter(whole, requires_grad=param.requires_grad)

@@ -1,0 +1,267 @@
+"""ZeRO stage 3 under shardopt's DeepSpeed plugin (shardopt/deepspeed/zero3.py): 4 gloo ranks as 2 nodes × 2
+("shardopt": {"mesh": {"replicate": 2, "shard": 2}}), gradient accumulation 2, real DeepSpeed engines. Pinned here,
+for Dion and Sign-Muon:
+- stage 3 is stage 2 with the weights released: the same losses, weights and replicate-axis bytes, bitwise
+  (the owners step the same gradients; a module computes with its owners' weights, broadcast);
+- per rank, params + optimizer state (+ fp32 masters in bf16) ≤ 0.6× stage 0's on the same mesh, and between
+  steps a rank holds the storage of the params it owns only;
+- Newton–Schulz (Sign-Muon) and the power iteration (Dion) run once per matrix per optimizer step on each node,
+  on its owner (not once per micro-batch); inside the node each owned weight is broadcast twice per
+  micro-batch in place of stage 2's all-gather after the step (counted bytes);
+- the four ranks' weights are bitwise identical; the loss goes down;
+- bf16 (non-matrix params on Lion's vote, gradient_clipping 0.5: the agreed norm) matches bf16 stage 2 bitwise;
+- an infinite gradient on one rank skips the step on all four (fp32 and bf16), weights untouched;
+- engine.save_checkpoint / load_checkpoint resume on the saving run's trajectory exactly; detach() restores
+  every weight on every rank;
+- a model built under deepspeed.zero.Init trains bitwise as the same model built normally (its partitions
+  gathered into ds_shape weights before the param groups are made); at stage 2 it is refused naming the fix.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+deepspeed = pytest.importorskip("deepspeed")  # imported before the pool forks: the workers inherit it
+pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")   # the CPU op compiled before the pool forks
+
+import shardopt.algorithms.dion as dion_module  # noqa: E402
+import shardopt.algorithms.polar as polar_module  # noqa: E402
+import shardopt.deepspeed as sds  # noqa: E402
+from shardopt.optim.guard import replicas_equal  # noqa: E402
+from shardopt.wire.comm import Axis, split_world  # noqa: E402
+from test_deepspeed_zero import MESH, _config, _data, _env, _model, _save_and_resume, _steps  # noqa: E402
+from workers import WorkerPool  # noqa: E402
+
+TIMEOUT_S = 300
+STEPS = 6
+MATRICES = 6   # _model's Linear weights
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(4, collective_timeout_s=120)
+    yield p
+    p.close()
+
+
+def _held_bytes(engine) -> dict:
+    """What this rank holds: the model params' storage, the optimizer state and the fp32 master copies."""
+    ours = sds.shard_optimizer(engine)
+    masters = ours._slots() if engine.optimizer is not ours else []
+    return {"params": sum(p.untyped_storage().nbytes() for p in engine.module.parameters()),
+            "state": sum(v.numel() * v.element_size() for s in ours.state.values() for v in s.values()
+                         if torch.is_tensor(v)),
+            "masters": sum(p.untyped_storage().nbytes() for p in masters)}
+
+
+def _owned_param_bytes(engine) -> int:
+    """The bytes of the model params whose slot (the optimizer's param order) this rank owns."""
+    ours = sds.shard_optimizer(engine)
+    model_params = [low for low, _ in ours.wiring.masters] or ours._slots()
+    return sum(p.numel() * p.element_size() for slot, p in enumerate(model_params) if ours.zero.owns(slot))
+
+
+def _matrices(X: torch.Tensor) -> int:
+    """The matrices in a stack (k, m, n) (or one (m, n))."""
+    return X.numel() // (X.shape[-2] * X.shape[-1])
+
+
+def _counting(counts: dict):
+    """Sign-Muon's Newton–Schulz and Dion's power iteration, each call counting the matrices it works on into
+    `counts`; returns the function that puts the originals back."""
+    newton_schulz, power_iteration = polar_module.newton_schulz, dion_module.power_iteration
+
+    def counted_newton_schulz(X, coefficients):
+        counts["newton_schulz"] += _matrices(X)
+        return newton_schulz(X, coefficients)
+
+    def counted_power_iteration(B, Q, **options):   # a generator of collectives, as the original
+        counts["power_iteration"] += _matrices(B)
+        return (yield from power_iteration(B, Q, **options))
+
+    polar_module.newton_schulz, dion_module.power_iteration = counted_newton_schulz, counted_power_iteration
+
+    def restore():
+        polar_module.newton_schulz, dion_module.power_iteration = newton_schulz, power_iteration
+    return restore
+
+
+def _run(optimizer, stage, precision="fp32"):
+    config = _config(optimizer, stage, MESH, precision, vote="allreduce_int8" if optimizer == "SignMuon" else None,
+                     nonmatrix_algorithm="lion" if precision == "bf16" else "adamw")
+    if precision == "bf16":
+        config["gradient_clipping"] = 0.5   # the agreed norm (ν over the replicas, the node's owned parts summed)
+    engine, *_ = sds.initialize(model=_model(), config=config)
+    ours = sds.shard_optimizer(engine)
+    counts, per_step = {"newton_schulz": 0, "power_iteration": 0}, []
+    restore = _counting(counts)
+    try:
+        losses = []
+        for _ in range(STEPS):
+            before = sum(counts.values())
+            losses.append(_steps(engine, 1))
+            per_step.append(sum(counts.values()) - before)
+    finally:
+        restore()
+    held, stats = _held_bytes(engine), ours.comm_stats()   # (before gathering the weights to compare them)
+    with sds.gathered_weights(engine):
+        weights = [p.detach().float().clone() for p in engine.module.parameters()]
+        identical = replicas_equal([p.detach() for p in engine.module.parameters()], Axis("replicate", dist.group.WORLD))
+    consistent = ours.replicas_consistent()   # (every rank calls it: collectives)
+    return {"losses": losses, "weights": weights, "identical": identical and consistent, "held": held,
+            "grad_norm": float(engine.get_global_grad_norm()),
+            "owned_param_bytes": _owned_param_bytes(engine) if ours.zero is not None else None,
+            "gather_bytes": (ours.zero.chunk * next(engine.module.parameters()).element_size()
+                             if ours.zero is not None else None),
+            "replicate_bytes": stats["replicate"]["bytes_sent"], "node_bytes": stats["node"]["bytes_sent"],
+            "matrix_directions": per_step, "engine_stage": engine.zero_optimization_stage()}
+
+
+def _stages(optimizer, precision):
+    _env()
+    return {stage: _run(optimizer, stage, precision) for stage in (0, 2, 3)}
+
+
+@pytest.mark.parametrize("optimizer,precision", [("Dion", "fp32"), ("SignMuon", "fp32"), ("SignMuon", "bf16")])
+def test_stage_3_is_stage_2_bitwise_with_the_weights_released(pool, optimizer, precision):
+    """Stage 0 here is on the same mesh (the node averages its gradients, every rank keeps everything): the
+    memory reference. Newton–Schulz (Sign-Muon) and the power iteration (Dion) are counted on every rank (the
+    matrices each call works on) and summed over each node."""
+    results = pool.run(_stages, optimizer, precision, timeout_s=TIMEOUT_S)
+    for rank, runs in enumerate(results):
+        two, three, zero = runs[2], runs[3], runs[0]
+        held = {stage: sum(run["held"].values()) for stage, run in runs.items()}
+        print(f"rank {rank} {optimizer} {precision}: held B (params+state+masters) stage0 {held[0]} stage2 {held[2]} "
+              f"stage3 {held[3]} ({held[3] / held[0]:.2f}x stage 0); replicate B stage2 {two['replicate_bytes']} "
+              f"stage3 {three['replicate_bytes']}; node B stage2 {two['node_bytes']} stage3 {three['node_bytes']}; "
+              f"loss {three['losses'][0]:.4f} -> {three['losses'][-1]:.4f}; matrix directions/step {three['matrix_directions']}")
+        assert three["engine_stage"] == 0                    # DeepSpeed runs stage 0; shardopt partitions
+        assert three["losses"] == two["losses"] and three["grad_norm"] == two["grad_norm"]   # bitwise
+        assert all(torch.equal(a, b) for a, b in zip(three["weights"], two["weights"]))
+        assert three["replicate_bytes"] == two["replicate_bytes"] > 0
+        assert three["identical"] and two["identical"]
+        assert three["losses"][-1] < 0.9 * three["losses"][0]
+        assert held[3] <= 0.6 * held[0]
+        assert three["held"]["params"] == three["owned_param_bytes"]   # between steps: the owned params only
+        assert two["held"]["params"] == zero["held"]["params"]         # stage 2 keeps every weight
+        # inside the node, per step of 2 micro-batches: each owned weight broadcast in forward and in backward
+        # (to the node's other rank) instead of stage 2's all-gather of this rank's chunk after the step
+        assert three["node_bytes"] - two["node_bytes"] == STEPS * (2 * 2 * three["owned_param_bytes"]
+                                                                    - two["gather_bytes"])
+    for node in ((0, 1), (2, 3)):   # Newton–Schulz (Sign-Muon) or the power iteration (Dion), on each node
+        per_step = [sum(results[r][3]["matrix_directions"][step] for r in node) for step in range(STEPS)]
+        assert per_step == [MATRICES] * STEPS, per_step  # once per matrix per step of 2 micro-batches
+
+
+def _checkpoint_resumes(directory, precision):
+    _env()
+    saving, resumed, path = _save_and_resume(directory, _config("SignMuon", 3, MESH, precision=precision,
+                                                                vote="allreduce_int8"))
+    held = (_held_bytes(saving)["params"], _held_bytes(resumed)["params"], _owned_param_bytes(resumed))
+    _steps(resumed, 3)
+    with sds.gathered_weights(saving), sds.gathered_weights(resumed):
+        diff = max((a - b).abs().max().item() for a, b in zip(saving.module.parameters(), resumed.module.parameters()))
+    sds.detach(resumed)   # the model whole again on every rank, as DeepSpeed built it
+    whole = _held_bytes(resumed)["params"] == sum(p.numel() * p.element_size() for p in resumed.module.parameters())
+    return path is not None, diff, held, whole
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_engine_checkpoint_at_stage_3_resumes_on_the_same_trajectory(pool, tmp_path, precision):
+    """DeepSpeed writes data-parallel rank 0's whole model (gathered for the save); each rank its own partition
+    (and fp32 masters in bf16) next to it; after the save (and 3 more steps) and after the load only the owned
+    weights are held; shardopt.deepspeed.detach(engine) gives every rank the whole model back."""
+    for loaded, diff, (after_save, after_load, owned), whole in pool.run(_checkpoint_resumes, str(tmp_path),
+                                                                         precision, timeout_s=TIMEOUT_S):
+        assert loaded
+        assert diff == 0
+        assert after_save == after_load == owned
+        assert whole
+
+
+def _inf_on_one_rank_skips_everywhere(precision):
+    """2 steps, then a step whose second micro-batch has an infinite loss on rank 0 only, then 2 more."""
+    _env()
+    engine, *_ = sds.initialize(model=_model(), config=_config("SignMuon", 3, MESH, precision, vote="allreduce_int8"))
+    _steps(engine, 2)
+    with sds.gathered_weights(engine):
+        before = [p.detach().clone() for p in engine.module.parameters()]
+    x, y = _data()
+    dtype = next(engine.module.parameters()).dtype
+    for micro in range(2):
+        loss = ((engine(x[4 * micro:4 * micro + 4].to(dtype)).float() - y[4 * micro:4 * micro + 4]) ** 2).mean()
+        engine.backward(loss * float("inf") if micro == 1 and dist.get_rank() == 0 else loss)
+        engine.step()
+    with sds.gathered_weights(engine):
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+    skipped = engine.skipped_steps
+    losses = [_steps(engine, 1) for _ in range(2)]
+    held = _held_bytes(engine)["params"] == _owned_param_bytes(engine)
+    return skipped, unchanged, sds.shard_optimizer(engine).replicas_consistent(), held, losses
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_inf_gradient_on_one_rank_skips_the_stage_3_step_on_every_rank(pool, precision):
+    """fp32: the optimizer's agreed non-finite check; bf16: the wrapper's overflow check, agreed over all ranks.
+    The weights stay as they were, the replicas identical, and training goes on."""
+    for skipped, unchanged, consistent, held, losses in pool.run(_inf_on_one_rank_skips_everywhere, precision,
+                                                                 timeout_s=TIMEOUT_S):
+        assert skipped == 1 and unchanged and consistent and held
+        assert all(loss == loss and abs(loss) < float("inf") for loss in losses), losses
+
+
+def _zero_init_model(config):
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        return _model()
+
+
+def _zero_init_runs_as_a_plain_model():
+    """The same config on the same model built normally and under zero.Init (whose 2-D weights are 1-D partitions
+    until shardopt gathers them), 3 steps each; and zero.Init at stage 2."""
+    _env()
+    config = _config("SignMuon", 3, MESH, vote="allreduce_int8")
+    runs = {}
+    for name, model in (("plain", _model()), ("zero_init", _zero_init_model(config))):
+        placeholder = tuple(next(model.parameters()).shape)
+        engine, *_ = sds.initialize(model=model, config=config)
+        losses = [_steps(engine, 1) for _ in range(3)]
+        held, owned = _held_bytes(engine)["params"], _owned_param_bytes(engine)
+        matrices = len(sds.shard_optimizer(engine).param_groups[0]["params"])   # the matrix group
+        with sds.gathered_weights(engine):
+            weights = [p.detach().clone() for p in engine.module.parameters()]
+        runs[name] = (placeholder, losses, weights, held == owned, matrices)
+    try:
+        sds.initialize(model=_zero_init_model(config), config=_config("SignMuon", 2, MESH))
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    return runs, refusal
+
+
+def test_a_model_built_under_zero_init_trains_as_the_same_model_built_normally(pool):
+    for runs, refusal in pool.run(_zero_init_runs_as_a_plain_model, timeout_s=TIMEOUT_S):
+        plain, zero_init = runs["plain"], runs["zero_init"]
+        assert plain[0] == (32, 16) and zero_init[0] == (0,)    # zero.Init's placeholder of the first weight
+        assert zero_init[1] == plain[1]                          # losses, bitwise
+        assert all(torch.equal(a, b) for a, b in zip(zero_init[2], plain[2]))
+        assert zero_init[3] and plain[3]                         # only the owned weights held
+        assert zero_init[4] == plain[4] == MATRICES              # every 2-D weight in the matrix group (ds_shape)
+        assert refusal is not None and "deepspeed.zero.Init" in refusal and "set it to 3" in refusal
+
+
+def _broadcast_inside_nodes():
+    replicate, node = split_world(2, 2)
+    axis = Axis("node", node)
+    tensor = torch.tensor([-0.0, float("nan"), 1.5 + dist.get_rank()]) if axis.rank == 1 else torch.zeros(3)
+    axis.broadcast(tensor, 1)
+    return tensor.tolist(), torch.signbit(tensor[0]).item(), axis.stats()
+
+
+def test_the_node_broadcast_copies_the_owner_exactly_and_counts_its_bytes(pool):
+    """Axis.broadcast (stage 3's gather): the root's values bitwise (−0.0, NaN), the root sends (M−1)·S, each
+    other rank receives S."""
+    for rank, (values, negative_zero, stats) in enumerate(pool.run(_broadcast_inside_nodes, timeout_s=TIMEOUT_S)):
+        root = 2 * (rank // 2) + 1
+        assert negative_zero and values[1] != values[1] and values[2] == 1.5 + root
+        assert (stats["bytes_sent"], stats["bytes_received"]) == ((12, 0) if rank == root else (0, 12))
+        assert stats["calls"] == 1
