@@ -16,12 +16,16 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$SHARDOPT_CACHE/torch_exten
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 mkdir -p "$SHARDOPT_CACHE"
 stamp="$SHARDOPT_CACHE/installed-$(python -c 'import sys; print(sys.prefix.replace("/", "_"))')"
-if [ "${SHARDOPT_SKIP_INSTALL:-0}" != 1 ] && { [ ! -f "$stamp" ] || [ "$SHARDOPT_ROOT/pyproject.toml" -nt "$stamp" ]; }; then
+checkout_pth="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/shardopt-checkout.pth"
+# (re)install also when this environment was last installed from another checkout: its editable shardopt would
+# be that checkout's for every process that does not start in this one
+if [ "${SHARDOPT_SKIP_INSTALL:-0}" != 1 ] && { [ ! -f "$stamp" ] || [ "$SHARDOPT_ROOT/pyproject.toml" -nt "$stamp" ] ||
+        [ "$(cat "$checkout_pth" 2>/dev/null)" != "$SHARDOPT_ROOT" ]; }; then
     echo "${SHARDOPT_TORCH_SPEC:-torch==2.13.0}" > "$SHARDOPT_CACHE/constraints.txt"
     python -m pip install -q --upgrade pip
     python -m pip install -q -c "$SHARDOPT_CACHE/constraints.txt" "${SHARDOPT_TORCH_SPEC:-torch==2.13.0}"
     python -m pip install -q -c "$SHARDOPT_CACHE/constraints.txt" -e "$SHARDOPT_ROOT[dev,deepspeed,train,hf,lightning,torchtitan,torchft]"
     # the checkout's examples package (integrations/) importable from every script, not shipped in the wheel
-    echo "$SHARDOPT_ROOT" > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/shardopt-checkout.pth"
+    echo "$SHARDOPT_ROOT" > "$checkout_pth"
     touch "$stamp"
 fi

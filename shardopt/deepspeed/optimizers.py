@@ -123,7 +123,7 @@ class _EngineSide:
         skipped = self.skipped_steps
         loss = super().step(closure)
         self.overflow = self.skipped_steps != skipped    # a non-finite gradient on some replica
-        if self.zero is not None and not self.overflow and self.zero.stage < 3:   # stage 3: gathered in use (zero3.py)
+        if self.zero is not None and not self.overflow:
             self.zero.gather_weights(params)
         return loss
 

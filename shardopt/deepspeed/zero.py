@@ -118,7 +118,8 @@ class ZeroPartition:
         transient is ≤ (1 + 1/S)·window_bytes, not (1 + 1/S)·2Φ. With `weights` set (the model's params, whose
         masters this rank holds only where it owns them: masters.py) the other slots' gathered weights go there,
         in their dtype: the owners' params rounded to it as the fp16/bf16 wrapper's copy rounds them, and the
-        owned slots' own params too (the wrapper's copy-back is a no-op there: masters.py)."""
+        owned slots' own params too (the wrapper's copy-back is a no-op there: masters.py). Stage 3: only that
+        copy of the owned slots (the others are gathered while their modules run: zero3.py)."""
         if self.stage == 0 or (self.node.size == 1 and self.weights is None):
             return
         targets = self.weights if self.weights is not None else params
@@ -127,7 +128,7 @@ class ZeroPartition:
             dtype = torch.promote_types(dtype, param.dtype)
         row_bytes = self.node.size * torch.empty((), dtype=dtype).element_size()
         window = self.chunk if self.window_bytes is None else max(1, self.window_bytes // row_bytes)
-        for start in range(0, self.chunk, window):
+        for start in range(0, self.chunk if self.stage < 3 else 0, window):   # stage 3: gathered in use (zero3.py)
             stop = min(self.chunk, start + window)
             piece = torch.zeros(stop - start, dtype=dtype, device=params[0].device)
             for i, lo, hi, first in self._pieces(self.node.rank, start, stop):
