@@ -80,12 +80,13 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _config(stage: int, local_steps: dict | None = None) -> dict:
+def _config(stage: int, local_steps: dict | None = None, one_node: bool = False) -> dict:
+    """`one_node`: the 2 ranks one node (the default mesh at stages 1-3: ZeRO partitions over both)."""
     config = copy.deepcopy(SIGNMUON_LION)
     config["zero_optimization"] = {"stage": stage}
     if local_steps:
         config["shardopt"]["local_steps"] = local_steps
-    if stage:    # 2 ranks as 2 nodes of 1: the replicate axis is the one across nodes
+    if stage and not one_node:    # 2 ranks as 2 nodes of 1: the replicate axis is the one across nodes
         config["shardopt"]["mesh"] = {"replicate": 2, "shard": 1}
     return config
 
@@ -102,9 +103,11 @@ def _as_a_fresh_process() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False):
+def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False, pretrained=None):
     """Trainer to STEPS steps, saving at STEPS/2; `resume`: from that checkpoint of an earlier run in `directory`;
-    `use_cpu`: TrainingArguments(use_cpu=True) in a fresh process's state instead of the configured gloo state."""
+    `use_cpu`: TrainingArguments(use_cpu=True) in a fresh process's state instead of the configured gloo state;
+    `pretrained`: the model from_pretrained(pretrained) after TrainingArguments (under deepspeed.zero.Init at
+    stage 3, as HF does it), the 2 ranks one node, then evaluated and saved with trainer.save_model."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
     _env()
     if use_cpu:
@@ -115,22 +118,28 @@ def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False):
         def on_step_end(self, args, state, control, **kwargs):   # before Trainer saves at this step
             sent.append(sds.shard_optimizer(trainer.model_wrapped).comm_stats()["replicate"]["bytes_sent"])
 
-    model = _model()
+    model = _model() if pretrained is None else None
     config = os.path.join(directory, "ds_config.json")    # as `--deepspeed ds_config.json` gives it
     if dist.get_rank() == 0 and not resume:
-        Path(config).write_text(json.dumps(_config(stage, local_steps)))
+        Path(config).write_text(json.dumps(_config(stage, local_steps, one_node=pretrained is not None)))
     dist.barrier()
     backend = {"use_cpu": True} if use_cpu else {"accelerator_config": {"use_configured_state": True}}
     args = TrainingArguments(output_dir=directory, deepspeed=config, learning_rate=3e-3,
                              per_device_train_batch_size=4, max_steps=STEPS, save_steps=STEPS // 2, logging_steps=1,
                              report_to=[], disable_tqdm=True, **backend)
+    if pretrained is not None:
+        model = type(_model()).from_pretrained(pretrained)
+    zero_init = hasattr(next(model.parameters()), "ds_id")
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Bytes()])
     trainer.train(resume_from_checkpoint=os.path.join(directory, f"checkpoint-{STEPS // 2}") if resume else None)
     processes, deepspeed_enabled = trainer.accelerator.num_processes, trainer.is_deepspeed_enabled
     ours = sds.shard_optimizer(trainer.model_wrapped)
     per_step = [b - a for a, b in zip([0] + sent, sent)]
-    weights = [p.detach().clone() for p in trainer.model.parameters()]
-    result = {"weights": weights, "per_step": per_step, "consistent": ours.replicas_consistent(),
+    with sds.gathered_weights(trainer.model_wrapped):
+        named = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    weights = list(named.values())
+    final = _evaluate_and_save(trainer, named) if pretrained is not None else {}
+    result = {**final, "zero_init": zero_init, "weights": weights, "per_step": per_step, "consistent": ours.replicas_consistent(),
               "optimizer": type(ours).__name__,
               "allreduce": _fp32_allreduce_bytes(model), "algorithms": [g["algorithm"] for g in ours.param_groups],
               "engine_allreduce": trainer.model_wrapped.enable_backward_allreduce,
@@ -141,6 +150,55 @@ def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False):
     if use_cpu:
         _as_a_fresh_process()
     return result
+
+
+def _evaluate_and_save(trainer, named) -> dict:
+    """trainer.evaluate's loss, greedy generate's tokens, and trainer.save_model's safetensors file (read back on rank
+    0) against the trained weights `named` (gathered): whole and equal."""
+    from safetensors.torch import load_file
+    evaluated = trainer.evaluate(eval_dataset=torch.utils.data.Subset(Tokens(), range(16)))["eval_loss"]
+    generated = trainer.model.generate(Tokens()[0]["input_ids"][None, :4], max_new_tokens=3, do_sample=False,
+                                       pad_token_id=0)
+    final = os.path.join(trainer.args.output_dir, "final")
+    trainer.save_model(final)
+    saved = load_file(os.path.join(final, "model.safetensors")) if dist.get_rank() == 0 else {}
+    return {"eval_loss": evaluated, "generated": generated.tolist(), "saved_whole": dist.get_rank() != 0 or all(
+        torch.equal(saved[name], weight) for name, weight in named.items() if name in saved) and
+        {"transformer.wte.weight", "transformer.h.0.attn.c_attn.weight"} <= set(saved)}
+
+
+def _hf_trainer_stage_3_door(directory):
+    """One node of 2 ranks: stage 2 straight; stage 3 straight and resumed from its step-2 checkpoint; each from the
+    same saved model, from_pretrained after TrainingArguments (stage 3: under deepspeed.zero.Init)."""
+    pretrained = os.path.join(directory, "pretrained")
+    if dist.get_rank() == 0:
+        _model().save_pretrained(pretrained)
+    dist.barrier()
+    runs = {}
+    for name, stage, resume in (("two", 2, False), ("three", 3, False), ("resumed", 3, True)):
+        run_dir = os.path.join(directory, f"stage{stage}")
+        os.makedirs(run_dir, exist_ok=True)
+        runs[name] = _hf_trainer(run_dir, stage, resume, pretrained=pretrained)
+    two, three, resumed = (runs[name].pop("weights") for name in ("two", "three", "resumed"))
+    runs["bitwise"] = all(torch.equal(a, b) for a, b in zip(two, three))
+    runs["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(three, resumed))
+    return runs
+
+
+def test_hf_trainer_at_stage_3_trains_as_stage_2_saves_the_whole_model_and_resumes_bit_exact(pool2, tmp_path):
+    """TrainingArguments(deepspeed=config at stage 3) makes transformers build from_pretrained under zero.Init;
+    shardopt gathers it, trains stage 2's math bitwise (weights released on the non-owner), evaluates with the
+    module hooks gathering (evaluate, generate), and trainer.save_model writes the whole trained weights (the engine's
+    _zero3_consolidated_16bit_state_dict, the one Accelerate's get_state_dict calls)."""
+    for rank, runs in enumerate(pool2.run(_hf_trainer_stage_3_door, str(tmp_path), timeout_s=TIMEOUT_S)):
+        two, three = runs["two"], runs["three"]
+        print(f"rank {rank} HF Trainer one node of 2: losses stage 2 {two['losses']} stage 3 {three['losses']}; "
+              f"eval loss {two['eval_loss']} / {three['eval_loss']}")
+        assert three["zero_init"] and not two["zero_init"] and three["zero"] == 3 and two["zero"] == 2
+        assert three["losses"] == two["losses"] and runs["bitwise"] and three["consistent"]
+        assert three["eval_loss"] == two["eval_loss"] and three["generated"] == two["generated"]
+        assert three["saved_whole"] and two["saved_whole"]
+        assert runs["resumed_equal"]
 
 
 def _hf_trainer_straight_and_resumed(directory, stage, local_steps=None):
@@ -245,6 +303,81 @@ def test_accelerate_deepspeed_plugin_splits_the_data_and_trains_compressed(pool2
         print(f"Accelerate: replicate B/step {per_step} vs fp32 all-reduce {allreduce}")
         assert own_batches and processes == 2
         assert 0 < max(per_step[1:]) <= allreduce / 25 and consistent and engine_allreduce is False
+
+
+def _accelerate_stage(directory, stage, pretrained):
+    """Accelerate's DeepSpeedPlugin(hf_ds_config=config at `stage`, the 2 ranks one node), the model
+    from_pretrained after the Accelerator (zero3_init_flag: under deepspeed.zero.Init at stage 3), STEPS steps;
+    then accelerator.get_state_dict + save_pretrained, as Accelerate's docs save a DeepSpeed model, read back."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+    from safetensors.torch import load_file
+    _env()
+    config = _config(stage, one_node=True)
+    config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1, gradient_clipping=1.0)
+    config["optimizer"]["params"]["lr"] = 3e-3
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage == 3))
+    model = type(_model()).from_pretrained(pretrained)
+    zero_init = hasattr(next(model.parameters()), "ds_id")
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=4)
+    engine, _, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
+    losses = []
+    for step, batch in zip(range(STEPS), loader):
+        loss = engine(**batch).loss
+        accelerator.backward(loss)
+        losses.append(loss.item())
+    with sds.gathered_weights(engine):
+        named = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    state_dict = accelerator.get_state_dict(engine)
+    saved = os.path.join(directory, f"stage{stage}")
+    accelerator.unwrap_model(engine).save_pretrained(saved, state_dict=state_dict,
+                                                     is_main_process=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    read = load_file(os.path.join(saved, "model.safetensors")) if accelerator.is_main_process else {}
+    whole = not accelerator.is_main_process or all(torch.equal(read[name], weight) for name, weight in named.items()
+                                                   if name in read) and "transformer.wte.weight" in read
+    engine.destroy()
+    return {"losses": losses, "weights": list(named.values()), "zero_init": zero_init, "saved_whole": whole,
+            "zero": sds.shard_optimizer(engine).zero.stage}
+
+
+def _accelerate_stage_3_door(directory):
+    pretrained = os.path.join(directory, "pretrained")
+    if dist.get_rank() == 0:
+        _model().save_pretrained(pretrained)
+    dist.barrier()
+    two, three = (_accelerate_stage(directory, stage, pretrained) for stage in (2, 3))
+    three["bitwise"] = all(torch.equal(a, b) for a, b in zip(two.pop("weights"), three.pop("weights")))
+    return two, three
+
+
+def test_accelerate_at_stage_3_trains_as_stage_2_and_get_state_dict_holds_the_whole_model(pool2, tmp_path):
+    for two, three in pool2.run(_accelerate_stage_3_door, str(tmp_path), timeout_s=TIMEOUT_S):
+        print(f"Accelerate one node of 2: losses stage 2 {two['losses']} stage 3 {three['losses']}")
+        assert three["zero_init"] and not two["zero_init"] and (two["zero"], three["zero"]) == (2, 3)
+        assert three["losses"] == two["losses"] and three["bitwise"]
+        assert three["saved_whole"] and two["saved_whole"]
+
+
+def _accelerate_zero_stage_3_around_a_shardopt_optimizer():
+    """DeepSpeedPlugin(zero_stage=3) (no optimizer in its config) and a shardopt optimizer given to prepare."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    import shardopt
+    _env()
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, gradient_accumulation_steps=1))
+    model = _model()
+    optimizer = shardopt.SignMuon(shardopt.param_groups(model, "signmuon", "lion"), lr=3e-3,
+                                  replicate_mesh=dist.group.WORLD)
+    with pytest.raises(ValueError) as refused:
+        accelerator.prepare(model, optimizer, torch.utils.data.DataLoader(Tokens(), batch_size=4))
+    return str(refused.value)
+
+
+def test_accelerate_zero_stage_3_around_a_shardopt_optimizer_is_refused_naming_the_config(pool2):
+    for message in pool2.run(_accelerate_zero_stage_3_around_a_shardopt_optimizer, timeout_s=TIMEOUT_S):
+        assert "zero_optimization.stage = 3" in message and '"type": "SignMuon"' in message, message
+        assert "DeepSpeedPlugin(hf_ds_config=config) and DummyOptim" in message, message
 
 
 def _accelerate_without_a_backend():

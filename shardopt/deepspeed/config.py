@@ -171,8 +171,9 @@ def _check_stage_3(config: dict, zero: dict, stage: int, model, name: str) -> No
     if knobs:
         warnings.warn(f"zero_optimization.{', '.join(knobs)} tune DeepSpeed's own stage-3 parameter fetching, which "
                       f"does not run with shardopt's {name}: shardopt gathers each module's params from their owners "
-                      f"inside the node (shardopt/deepspeed/zero3.py) and these settings have no effect; remove them "
-                      f"to silence this warning", UserWarning, stacklevel=4)
+                      f"inside the node, and every weight whole for a model save (save_16bit_model, HF Trainer's "
+                      f"save_model, Accelerate's get_state_dict; shardopt/deepspeed/zero3.py), and these settings "
+                      f"have no effect; remove them to silence this warning", UserWarning, stacklevel=4)
     if str((config.get("optimizer") or {}).get("type", "")).lower() in ONEBIT_OPTIMIZERS:
         raise ValueError(f"{name} runs at ZeRO stages 0, 1 and 2; set zero_optimization.stage to 2 (its state is "
                          f"partitioned there) or use \"type\": \"SignMuon\" / \"Dion\" at stage 3")

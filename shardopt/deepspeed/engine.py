@@ -32,6 +32,7 @@ def initialize(*args, **kwargs):
     config, config_from_args = read_config(call)
     setup = plugin_setup(config, call.get("model"), call.get("mpu"), fp16_supported=internals.fp16_supported)
     if setup is None:
+        _check_no_zero_around_a_shardopt_optimizer(call.get("optimizer"), config)
         return internals.original_initialize(deepspeed)(*args, **kwargs)
     if call.get("optimizer") is not None:
         raise ValueError(f"the config asks for the {setup.name} optimizer and an optimizer was passed too; "
@@ -145,6 +146,19 @@ def shutdown(engine=None) -> None:
     if torch.distributed.is_initialized():
         deepspeed.comm.destroy_process_group()
     gc.collect()
+
+
+def _check_no_zero_around_a_shardopt_optimizer(optimizer, config: dict) -> None:
+    """A shardopt optimizer passed to DeepSpeed with ZeRO 1-3 in the config (e.g. accelerator.prepare(model,
+    shardopt.SignMuon(...)) with DeepSpeedPlugin(zero_stage=3)) refused: DeepSpeed's own ZeRO would hand it flat
+    1-D partitions (no matrices) and average the gradients itself."""
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    if isinstance(optimizer, (ShardOptimizer, DeepSpeedLocalSteps)) and stage not in (0, "auto"):
+        raise ValueError(f"a shardopt optimizer ({type(optimizer).__name__}) was passed to DeepSpeed with "
+                         f"zero_optimization.stage = {stage}: DeepSpeed's own ZeRO would give it flat partitions, not "
+                         f"matrices. Name it in the config instead, \"optimizer\": {{\"type\": \"SignMuon\" or "
+                         f"\"Dion\", \"params\": {{...}}}}, so shardopt runs the ZeRO stage (with Accelerate: "
+                         f"DeepSpeedPlugin(hf_ds_config=config) and DummyOptim; docs/trainers.md)")
 
 
 def _check_accelerate_counts_every_rank() -> None:

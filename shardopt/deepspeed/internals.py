@@ -32,6 +32,7 @@ are still checked).
 | `deepspeed.init_distributed()`, `deepspeed.comm.is_initialized()` | `client_optimizer` before deepspeed.comm is up |
 | `deepspeed.accelerator.get_accelerator().is_fp16_supported()` | fp16 refused on devices without it |
 | `deepspeed.moe.layer.MoE` | MoE expert params refused |
+| `engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)` (rank 0's whole state dict, None elsewhere), `engine.save_16bit_model` (reads `module_state_dict` below stage 3), `engine.zero_gather_16bit_weights_on_model_save()` | stage 3: replaced / wrapped so the frameworks' saves (HF Trainer's save_model, Accelerate's get_state_dict) get the whole weights (zero3.py) |
 | `param.ds_id`, `ds_shape`, `ds_numel`, `ds_tensor`, `ds_process_group` (params built under `deepspeed.zero.Init`; rank r's `ds_tensor` = elements [r·k, (r+1)·k) of the flattened weight, padded) | stage 3: gathered into whole weights (zero3.whole_params); other stages: refused (tests/test_deepspeed_zero3.py builds one) |
 """
 
@@ -82,6 +83,9 @@ def missing_internals(deepspeed) -> list[str]:
         "FP16_UnfusedOptimizer.unscale_and_clip_grads multiplies by 1. / loss_scale_config.cur_scale":
             all(text in inspect.getsource(FP16_UnfusedOptimizer.unscale_and_clip_grads)
                 for text in ("loss_scale_config.cur_scale", "mul_(1. / combined_scale)")),
+        "DeepSpeedEngine._zero3_consolidated_16bit_state_dict, save_16bit_model, zero_gather_16bit_weights_on_model_save":
+            all(hasattr(DeepSpeedEngine, name) for name in ("_zero3_consolidated_16bit_state_dict", "save_16bit_model",
+                                                            "zero_gather_16bit_weights_on_model_save")),
         "deepspeed.utils.groups._get_data_parallel_group": hasattr(groups, "_get_data_parallel_group"),
         "deepspeed.comm.destroy_process_group": hasattr(deepspeed.comm, "destroy_process_group"),
         "deepspeed.init_distributed and deepspeed.comm.is_initialized":

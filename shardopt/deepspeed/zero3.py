@@ -104,6 +104,23 @@ class WeightRelease:
         if needing and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(needing, lambda grads: self.gather(params), mode="any")
 
+    def whole_state_dict(self, model: torch.nn.Module, exclude_frozen_parameters: bool = False) -> dict:
+        """model.state_dict() with every weight whole (gathered from the owners, copied, released again): on global
+        rank 0 a dict of CPU copies (the names of a param shared by several modules on one tensor), as DeepSpeed's
+        _zero3_consolidated_16bit_state_dict returns it; on the other ranks an empty dict, not DeepSpeed's None:
+        given None, save_pretrained(..., is_main_process=False) reads model.state_dict(), whose weights are
+        released here. Call it on every rank (the gathers are broadcasts); every rank holds the whole weights while
+        it runs, as for engine.save_checkpoint."""
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad} if exclude_frozen_parameters \
+            else set()
+        with self.all_gathered():
+            if dist.get_rank() != 0:
+                return {}
+            copies = {}
+            return {name: copies.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), t.shape),
+                                            t.to("cpu", copy=True))
+                    for name, t in model.state_dict().items() if name not in frozen}
+
     @contextlib.contextmanager
     def all_gathered(self):
         """Every param whole on every rank of the node inside the block, released again after it."""
@@ -140,6 +157,7 @@ def release_weights(wiring, model_params: list[torch.Tensor]) -> WeightRelease:
     release = WeightRelease(wiring.side.zero, engine.module, model_params)
     wiring.patches.on_undo(release.detach)
     backward, save, load = engine.backward, engine.save_checkpoint, engine.load_checkpoint
+    save_16bit = engine.save_16bit_model
 
     def backward_releasing(*args, **kwargs):
         try:
@@ -155,10 +173,23 @@ def release_weights(wiring, model_params: list[torch.Tensor]) -> WeightRelease:
         with release.all_gathered():
             return load(*args, **kwargs)
 
+    def save_16bit_gathered(*args, **kwargs):
+        with release.all_gathered():
+            return save_16bit(*args, **kwargs)
+
+    def whole_state_dict(exclude_frozen_parameters=False):
+        return release.whole_state_dict(engine.module, exclude_frozen_parameters)
+
     for name, function, original in (("backward", backward_releasing, backward), ("save_checkpoint", save_gathered, save),
-                                     ("load_checkpoint", load_gathered, load)):
+                                     ("load_checkpoint", load_gathered, load),
+                                     ("save_16bit_model", save_16bit_gathered, save_16bit),
+                                     ("_zero3_consolidated_16bit_state_dict", whole_state_dict,
+                                      engine._zero3_consolidated_16bit_state_dict)):
         function.__doc__ = original.__doc__
         wiring.patches.set(engine, name, function)
+    # the frameworks' stage-3 saves (HF Trainer's save_model, Accelerate's get_state_dict) ask the engine whether it
+    # gathers whole weights for a save: always, here (the engine runs stage 0, whose config says no)
+    wiring.patches.set(engine, "zero_gather_16bit_weights_on_model_save", lambda: True)
     wiring.patches.set(wiring, "release", release)
     return release
 
