@@ -11,6 +11,10 @@ from a DeepSpeed JSON config. Two gloo ranks (one worker pool for the module), C
   Accelerate counting one process (no backend found on a CPU-only machine) is refused, naming the setting;
 - HF Trainer with TrainingArguments(use_cpu=True) keeps DeepSpeed (bitwise the run of the gloo recipe), while
   Accelerator(cpu=True) leaves it out; "lr": "auto" filled with TrainingArguments' default learning_rate warns;
+- ZeRO 3 (the 2 ranks one node, each weight kept on its owner): HF Trainer with from_pretrained under zero.Init
+  and Accelerate's DeepSpeedPlugin(hf_ds_config=...) train bitwise as stage 2; Trainer's evaluate / generate match,
+  trainer.save_model and Accelerate's get_state_dict + save_pretrained write the whole trained weights, and the
+  Trainer resumes bit-exact; DeepSpeedPlugin(zero_stage=3) around a shardopt optimizer is refused;
 - Lightning's DeepSpeedStrategy is not run: it refuses any accelerator but CUDA (pinned, so the docs' reason holds).
 """
 

@@ -27,7 +27,10 @@ holding them gathers them. The backward gather hooks the tensors of a module's o
 lists and dicts (HF's ModelOutput is a dict), as DeepSpeed's own stage 3 does; a tensor inside another kind of
 object is not seen. `engine.save_checkpoint` / `load_checkpoint` run with every weight gathered (DeepSpeed
 writes data-parallel rank 0's whole model); `gathered_weights(engine)` does the same for code that reads the
-model's weights (state_dict, evaluation without hooks).
+model's weights (state_dict, evaluation without hooks). The engine's stage-3 save calls, which HF Trainer's
+save_model and Accelerate's get_state_dict make (the engine itself runs stage 0), answer with the whole weights:
+`_zero3_consolidated_16bit_state_dict` (WeightRelease.whole_state_dict), `save_16bit_model` (gathered) and
+`zero_gather_16bit_weights_on_model_save` (true).
 """
 
 from __future__ import annotations
