@@ -185,6 +185,12 @@ def _hf_trainer_stage_3_door(directory):
         runs[name] = _hf_trainer(run_dir, stage, resume, pretrained=pretrained)
     two, three, resumed = (runs[name].pop("weights") for name in ("two", "three", "resumed"))
     runs["bitwise"] = all(torch.equal(a, b) for a, b in zip(two, three))
+    if dist.get_rank() == 0:   # the model file of Trainer's step-2 checkpoint, stage 3 against stage 2; at stage 3
+        from safetensors.torch import load_file   # the head tied to wte is written once (as DeepSpeed's stage 3 does)
+        files = [load_file(os.path.join(directory, f"stage{stage}", f"checkpoint-{STEPS // 2}", "model.safetensors"))
+                 for stage in (2, 3)]
+        runs["checkpoint_equal"] = set(files[0]) - set(files[1]) <= {"lm_head.weight"} and all(
+            torch.equal(files[0][name], files[1][name]) for name in files[1]) and len(files[1]) > 20
     runs["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(three, resumed))
     return runs
 
@@ -202,7 +208,7 @@ def test_hf_trainer_at_stage_3_trains_as_stage_2_saves_the_whole_model_and_resum
         assert three["losses"] == two["losses"] and runs["bitwise"] and three["consistent"]
         assert three["eval_loss"] == two["eval_loss"] and three["generated"] == two["generated"]
         assert three["saved_whole"] and two["saved_whole"]
-        assert runs["resumed_equal"]
+        assert runs["resumed_equal"] and runs.get("checkpoint_equal", rank != 0)
 
 
 def _hf_trainer_straight_and_resumed(directory, stage, local_steps=None):
@@ -312,7 +318,8 @@ def test_accelerate_deepspeed_plugin_splits_the_data_and_trains_compressed(pool2
 def _accelerate_stage(directory, stage, pretrained):
     """Accelerate's DeepSpeedPlugin(hf_ds_config=config at `stage`, the 2 ranks one node), the model
     from_pretrained after the Accelerator (zero3_init_flag: under deepspeed.zero.Init at stage 3), STEPS steps;
-    then accelerator.get_state_dict + save_pretrained, as Accelerate's docs save a DeepSpeed model, read back."""
+    then accelerator.get_state_dict + save_pretrained (as Accelerate's docs save a DeepSpeed model) and
+    accelerator.save_model, each read back."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DummyOptim
     from safetensors.torch import load_file
@@ -336,10 +343,12 @@ def _accelerate_stage(directory, stage, pretrained):
     saved = os.path.join(directory, f"stage{stage}")
     accelerator.unwrap_model(engine).save_pretrained(saved, state_dict=state_dict,
                                                      is_main_process=accelerator.is_main_process)
+    accelerator.save_model(engine, os.path.join(saved, "save_model"))
     accelerator.wait_for_everyone()
-    read = load_file(os.path.join(saved, "model.safetensors")) if accelerator.is_main_process else {}
-    whole = not accelerator.is_main_process or all(torch.equal(read[name], weight) for name, weight in named.items()
-                                                   if name in read) and "transformer.wte.weight" in read
+    whole = not accelerator.is_main_process or all(
+        all(torch.equal(read[name], weight) for name, weight in named.items() if name in read)
+        and "transformer.wte.weight" in read for read in (load_file(os.path.join(saved, "model.safetensors")),
+                                                          load_file(os.path.join(saved, "save_model", "model.safetensors"))))
     engine.destroy()
     return {"losses": losses, "weights": list(named.values()), "zero_init": zero_init, "saved_whole": whole,
             "zero": sds.shard_optimizer(engine).zero.stage}
