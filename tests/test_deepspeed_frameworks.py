@@ -107,11 +107,12 @@ def _as_a_fresh_process() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False, pretrained=None):
+def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False, pretrained=None, bf16=False):
     """Trainer to STEPS steps, saving at STEPS/2; `resume`: from that checkpoint of an earlier run in `directory`;
     `use_cpu`: TrainingArguments(use_cpu=True) in a fresh process's state instead of the configured gloo state;
     `pretrained`: the model from_pretrained(pretrained) after TrainingArguments (under deepspeed.zero.Init at
-    stage 3, as HF does it), the 2 ranks one node, then evaluated and saved with trainer.save_model."""
+    stage 3, as HF does it), the 2 ranks one node, then evaluated and saved with trainer.save_model; `bf16`:
+    "bf16": {"enabled": "auto"} in the config and TrainingArguments(bf16=True) (with use_cpu: bf16 on a CPU)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
     _env()
     if use_cpu:
@@ -125,12 +126,13 @@ def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False, pretr
     model = _model() if pretrained is None else None
     config = os.path.join(directory, "ds_config.json")    # as `--deepspeed ds_config.json` gives it
     if dist.get_rank() == 0 and not resume:
-        Path(config).write_text(json.dumps(_config(stage, local_steps, one_node=pretrained is not None)))
+        Path(config).write_text(json.dumps({**_config(stage, local_steps, one_node=pretrained is not None),
+                                            **({"bf16": {"enabled": "auto"}} if bf16 else {})}))
     dist.barrier()
     backend = {"use_cpu": True} if use_cpu else {"accelerator_config": {"use_configured_state": True}}
     args = TrainingArguments(output_dir=directory, deepspeed=config, learning_rate=3e-3,
                              per_device_train_batch_size=4, max_steps=STEPS, save_steps=STEPS // 2, logging_steps=1,
-                             report_to=[], disable_tqdm=True, **backend)
+                             report_to=[], disable_tqdm=True, bf16=bf16, **backend)
     if pretrained is not None:
         model = type(_model()).from_pretrained(pretrained)
     zero_init = hasattr(next(model.parameters()), "ds_id")
@@ -171,7 +173,7 @@ def _evaluate_and_save(trainer, named) -> dict:
         {"transformer.wte.weight", "transformer.h.0.attn.c_attn.weight"} <= set(saved)}
 
 
-def _hf_trainer_stage_3_door(directory):
+def _hf_trainer_stage_3_door(directory, bf16=False):
     """One node of 2 ranks: stage 2 straight; stage 3 straight and resumed from its step-2 checkpoint; each from the
     same saved model, from_pretrained after TrainingArguments (stage 3: under deepspeed.zero.Init)."""
     pretrained = os.path.join(directory, "pretrained")
@@ -182,7 +184,7 @@ def _hf_trainer_stage_3_door(directory):
     for name, stage, resume in (("two", 2, False), ("three", 3, False), ("resumed", 3, True)):
         run_dir = os.path.join(directory, f"stage{stage}")
         os.makedirs(run_dir, exist_ok=True)
-        runs[name] = _hf_trainer(run_dir, stage, resume, pretrained=pretrained)
+        runs[name] = _hf_trainer(run_dir, stage, resume, use_cpu=bf16, pretrained=pretrained, bf16=bf16)
     two, three, resumed = (runs[name].pop("weights") for name in ("two", "three", "resumed"))
     runs["bitwise"] = all(torch.equal(a, b) for a, b in zip(two, three))
     if dist.get_rank() == 0:   # the model file of Trainer's step-2 checkpoint, stage 3 against stage 2; at stage 3
@@ -195,12 +197,14 @@ def _hf_trainer_stage_3_door(directory):
     return runs
 
 
-def test_hf_trainer_at_stage_3_trains_as_stage_2_saves_the_whole_model_and_resumes_bit_exact(pool2, tmp_path):
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_hf_trainer_at_stage_3_trains_as_stage_2_saves_the_whole_model_and_resumes_bit_exact(pool2, tmp_path, bf16):
     """TrainingArguments(deepspeed=config at stage 3) makes transformers build from_pretrained under zero.Init;
     shardopt gathers it, trains stage 2's math bitwise (weights released on the non-owner), evaluates with the
     module hooks gathering (evaluate, generate), and trainer.save_model writes the whole trained weights (the engine's
-    _zero3_consolidated_16bit_state_dict, the one Accelerate's get_state_dict calls)."""
-    for rank, runs in enumerate(pool2.run(_hf_trainer_stage_3_door, str(tmp_path), timeout_s=TIMEOUT_S)):
+    _zero3_consolidated_16bit_state_dict, the one Accelerate's get_state_dict calls). bf16 (slow): the fp32 masters
+    of the owned params, the saved weights bf16."""
+    for rank, runs in enumerate(pool2.run(_hf_trainer_stage_3_door, str(tmp_path), bf16, timeout_s=TIMEOUT_S)):
         two, three = runs["two"], runs["three"]
         print(f"rank {rank} HF Trainer one node of 2: losses stage 2 {two['losses']} stage 3 {three['losses']}; "
               f"eval loss {two['eval_loss']} / {three['eval_loss']}")
