@@ -322,8 +322,8 @@ def test_accelerate_deepspeed_plugin_splits_the_data_and_trains_compressed(pool2
 def _accelerate_stage(directory, stage, pretrained):
     """Accelerate's DeepSpeedPlugin(hf_ds_config=config at `stage`, the 2 ranks one node), the model
     from_pretrained after the Accelerator (zero3_init_flag: under deepspeed.zero.Init at stage 3), STEPS steps;
-    then accelerator.get_state_dict + save_pretrained (as Accelerate's docs save a DeepSpeed model) and
-    accelerator.save_model, each read back."""
+    then accelerator.get_state_dict + save_pretrained (as Accelerate's docs save a DeepSpeed model),
+    accelerator.save_model and engine.save_16bit_model, each read back."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DummyOptim
     from safetensors.torch import load_file
@@ -348,11 +348,13 @@ def _accelerate_stage(directory, stage, pretrained):
     accelerator.unwrap_model(engine).save_pretrained(saved, state_dict=state_dict,
                                                      is_main_process=accelerator.is_main_process)
     accelerator.save_model(engine, os.path.join(saved, "save_model"))
+    engine.save_16bit_model(os.path.join(saved, "16bit"))
     accelerator.wait_for_everyone()
     whole = not accelerator.is_main_process or all(
         all(torch.equal(read[name], weight) for name, weight in named.items() if name in read)
         and "transformer.wte.weight" in read for read in (load_file(os.path.join(saved, "model.safetensors")),
-                                                          load_file(os.path.join(saved, "save_model", "model.safetensors"))))
+                                                          load_file(os.path.join(saved, "save_model", "model.safetensors")),
+                                                          torch.load(os.path.join(saved, "16bit", "pytorch_model.bin"))))
     engine.destroy()
     return {"losses": losses, "weights": list(named.values()), "zero_init": zero_init, "saved_whole": whole,
             "zero": sds.shard_optimizer(engine).zero.stage}
