@@ -26,8 +26,9 @@ def save(directory: Path, step: int, model, opt, scheduler, replica: tuple | Non
     """Every rank writes its shards of step `step`; the replicas' momenta are first made one through
     opt.synchronize_for_checkpoint(momenta) ("mean": the exact fp32 mean, with which a resume on another mesh
     follows the mean gradient; "sign_vote", "sign_mean": a 1-bit agreement); with `replica`, each replica
-    writes its own instead. Returns the replicate-axis bytes this rank sent for it (comm_stats; called right
-    after a step's stats were read and reset), which are not counted as a step's."""
+    writes its own instead. Returns the replicate-axis bytes this rank sent for it (comm_stats, reset first:
+    what the loop sent since the step, e.g. its replicas check, is not the checkpoint's), not counted as a step's."""
+    opt.reset_comm_stats()
     if replica is None:
         opt.synchronize_for_checkpoint(momenta)
     sent = opt.comm_stats()["replicate"]["bytes_sent"]

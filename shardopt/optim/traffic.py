@@ -27,7 +27,7 @@ from ..wire.comm import Axes, Axis, CountingAxis, collective_bytes
 from ..algorithms.hyperparams import state_dtype
 from ..layout.placement import derive_meshes, local
 from .plan import group_steps, plan_group
-from .checkpoint_momenta import CHECKPOINT_EXCHANGE, checkpoint_bytes, checkpoint_exchange
+from .checkpoint_momenta import CHECKPOINT_EXCHANGE, checkpoint_bytes, checkpoint_exchange, resolve
 from ..algorithms.registry import algorithm
 from .schedule import pipeline
 
@@ -125,8 +125,9 @@ def checkpoint_cost(groups: list[dict], replicas: int, exchange: str) -> str:
     """What a checkpoint costs on the replicate axis (checkpoint_momenta.py), said after the whole model's bytes ("" with
     nothing to agree on)."""
     agreed, exact = (checkpoint_bytes(groups, replicas, name) for name in (exchange, "mean"))
+    named = f"{resolve(exchange, replicas)!r}{' (auto)' if exchange == 'auto' else ''}"
     return f"; a checkpoint: +{agreed:,} B on the replicate axis per save, the decoupled momenta agreed through " \
-           f"{exchange!r} ({exact:,} B with \"mean\": docs/design.md §6)" if exact else ""
+           f"{named} ({exact:,} B with \"mean\": docs/design.md §6)" if exact else ""
 
 
 def describe(groups: list[dict], replicas: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clipping: bool = False,
