@@ -36,6 +36,15 @@ SOURCES = {
                  "axis, counted by shardopt's communication layer for every optimizer alike (AdamW's are its "
                  "float32 gradient all-reduce); every step also carries the non-finite check, one float32 "
                  "all-reduced per axis."),
+    "checkpoint_momenta.csv": ("python launch/bench/checkpoint_momenta.py --data-dir .cache/data/shakespeare",
+                               "What a checkpoint does to the replicas' decoupled momenta, side by side in one run "
+                               "(issue 39.1): integrations/fsdp/train.py, Sign-Muon + Lion's vote, 2 replicas × 1 "
+                               "shard (2 CPU processes, gloo), the byte-level GPT, 200 steps, seed 0, a checkpoint "
+                               "every 20 steps (none: no checkpoint). Bytes: one rank's on the replicate axis, counted "
+                               "by shardopt's comm layer; checkpoint_over_step: one checkpoint's bytes over one "
+                               "step's. own: each replica saves its own momenta (nothing sent, training unchanged). "
+                               "The framework adapters' default (\"auto\") follows it: sign_mean at 2 replicas, "
+                               "sign_vote from 3 up."),
     "comm.csv": ("python launch/bench/comm_bytes.py",
                  "Replicate-axis bytes per step for five models, whole model (every parameter, tied weights once; "
                  "the formula of `shardopt.optim.traffic`), with ✓ where real gloo runs of the two demo GPTs at 2 and 4 "

@@ -12,7 +12,7 @@ optimizer steps, accumulate_grad_batches=2, a checkpoint at each epoch end:
   fully_shard over "shard" and the optimizer's replicate_mesh "replicate";
 - overlap: DDP with overlap_backward off and on (max_grad_norm=0): bitwise, the same bytes, the exchange begun in
   the backward of each step's last micro-batch;
-- refused: gradient_clip_val, an optimizer without replicate_mesh under DDP.
+- refused: gradient_clip_val, an optimizer without replicate_mesh under DDP, LocalSteps.
 Each rank writes its measurements to $SHARDOPT_TEST_OUT/result-<rank>.json.
 """
 
@@ -68,6 +68,14 @@ class LitGPT(L.LightningModule):
         groups = shardopt.param_groups(self, "signmuon", "lion", nonmatrix_options={"lr": 1e-3})
         replicate_mesh = self.replicate_mesh if self.fsdp else dist.group.WORLD if self.replicate else None
         return shardopt.SignMuon(groups, lr=0.02, replicate_mesh=replicate_mesh, **{"max_grad_norm": 1.0, **self.options})
+
+
+class LitLocalSteps(LitGPT):
+    """LocalSteps from configure_optimizers: refused by ShardoptCallback."""
+
+    def configure_optimizers(self):
+        return shardopt.LocalSteps(torch.optim.SGD(self.parameters(), lr=0.01), replicate_mesh=dist.group.WORLD,
+                                   sync_every=4)
 
 
 def loader():
@@ -185,7 +193,8 @@ def overlap_backward() -> dict:
 def refused():
     errors = {}
     for name, module, options in (("gradient_clip_val", LitGPT(), {"gradient_clip_val": 1.0}),
-                                  ("no_replicate_mesh", LitGPT(replicate=False), {})):
+                                  ("no_replicate_mesh", LitGPT(replicate=False), {}),
+                                  ("local_steps", LitLocalSteps(), {})):
         try:
             fit(OUT / name, module, **options)
             errors[name] = None

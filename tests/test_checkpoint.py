@@ -3,6 +3,7 @@
 import copy
 import multiprocessing
 import os
+import re
 import signal
 import time
 
@@ -142,3 +143,23 @@ def test_sigkill_during_write_leaves_previous_checkpoint_loadable(tmp_path):
     load_optimizer_state(reader, path)     # the file is a complete one: it loads and passes its checksums
     state = reader.state[next(iter(reader.state))]
     assert set(state) == set(expected) and all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("replicas, named", [(2, "sign_mean"), (4, "sign_vote"), (8, "sign_vote")])
+def test_the_adapters_default_checkpoint_agreement_costs_at_most_one_step(replicas, named):
+    """Issue 39.1's default ("auto", results/checkpoint_momenta.csv): the best-measured agreement within one
+    compressed step's bytes: sign_mean at 2 replicas, sign_vote from 3 up (sign_mean's all-gather would exceed a
+    step's vote there); describe() names it and its bytes, counted on a counting axis."""
+    from shardopt.optim.checkpoint_momenta import CHECKPOINT_EXCHANGE, checkpoint_bytes, resolve
+    from shardopt.optim.traffic import describe_optimizer
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    opt = shardopt.SignMuon(shardopt.param_groups(model, "signmuon", "lion"), lr=0.01)
+    assert CHECKPOINT_EXCHANGE == "auto" and resolve("auto", replicas) == named and resolve("mean", replicas) == "mean"
+    agreed = checkpoint_bytes(opt.param_groups, replicas, "auto")
+    assert agreed == checkpoint_bytes(opt.param_groups, replicas, named)
+    line = next(text for text in describe_optimizer(opt, replicas).splitlines() if "whole model" in text)
+    step = int(re.search(r"([\d,]+) B/step", line).group(1).replace(",", ""))
+    assert 0 < agreed <= 1.005 * step, (agreed, step, line)
+    assert f"+{agreed:,} B on the replicate axis per save" in line and f"{named!r} (auto)" in line, line
+    if replicas > 2:   # why not sign_mean there: it would cost more than a step
+        assert checkpoint_bytes(opt.param_groups, replicas, "sign_mean") > step

@@ -574,9 +574,11 @@ def _write_corpus(directory) -> None:
 
 
 @pytest.mark.parametrize("config", ["dion_bf16", "dion_zero3_bf16", "signmuon_bf16", "signmuon_lion_bf16",
-                                    pytest.param("signmuon_fp16", marks=needs_fp16), "adamw"])
+                                    pytest.param("signmuon_fp16", marks=needs_fp16), "adamw",
+                                    "signmuon_local_steps_bf16"])
 def test_train_script_runs_under_torchrun(config, tmp_path):
-    """The GPT of integrations/model.py on a small byte corpus in the prepared layout."""
+    """The GPT of integrations/model.py on a small byte corpus in the prepared layout. Local steps (sync_every
+    10) end at step 5, off a sync step: the script syncs at the end and checks that the replicas agree."""
     _write_corpus(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -586,6 +588,7 @@ def test_train_script_runs_under_torchrun(config, tmp_path):
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step     5" in result.stdout, result.stdout[-3000:]
+    assert ("end: synced fragment(s) [0]" in result.stdout) == ("local_steps" in config), result.stdout[-3000:]
 
 
 def test_tiny_gpt2_trains_through_accelerate_deepspeed_plugin_with_compressed_bytes(tmp_path):

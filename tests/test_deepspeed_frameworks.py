@@ -107,9 +107,11 @@ def _as_a_fresh_process() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False, pretrained=None, bf16=False):
-    """Trainer to STEPS steps, saving at STEPS/2; `resume`: from that checkpoint of an earlier run in `directory`;
+def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False, steps=STEPS, callbacks=(), save_to=None,
+                pretrained=None, bf16=False):
+    """Trainer to `steps` steps, saving at STEPS/2; `resume`: from that checkpoint of an earlier run in `directory`;
     `use_cpu`: TrainingArguments(use_cpu=True) in a fresh process's state instead of the configured gloo state;
+    `callbacks` after the one that reads the bytes at each step's end; `save_to`: trainer.save_model there after;
     `pretrained`: the model from_pretrained(pretrained) after TrainingArguments (under deepspeed.zero.Init at
     stage 3, as HF does it), the 2 ranks one node, then evaluated and saved with trainer.save_model; `bf16`:
     "bf16": {"enabled": "auto"} in the config and TrainingArguments(bf16=True) (with use_cpu: bf16 on a CPU)."""
@@ -131,13 +133,15 @@ def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False, pretr
     dist.barrier()
     backend = {"use_cpu": True} if use_cpu else {"accelerator_config": {"use_configured_state": True}}
     args = TrainingArguments(output_dir=directory, deepspeed=config, learning_rate=3e-3,
-                             per_device_train_batch_size=4, max_steps=STEPS, save_steps=STEPS // 2, logging_steps=1,
+                             per_device_train_batch_size=4, max_steps=steps, save_steps=STEPS // 2, logging_steps=1,
                              report_to=[], disable_tqdm=True, bf16=bf16, **backend)
     if pretrained is not None:
         model = type(_model()).from_pretrained(pretrained)
     zero_init = hasattr(next(model.parameters()), "ds_id")
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Bytes()])
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Bytes(), *callbacks])
     trainer.train(resume_from_checkpoint=os.path.join(directory, f"checkpoint-{STEPS // 2}") if resume else None)
+    if save_to is not None:
+        trainer.save_model(save_to)
     processes, deepspeed_enabled = trainer.accelerator.num_processes, trainer.is_deepspeed_enabled
     ours = sds.shard_optimizer(trainer.model_wrapped)
     per_step = [b - a for a, b in zip([0] + sent, sent)]
@@ -145,7 +149,8 @@ def _hf_trainer(directory, stage, resume, local_steps=None, use_cpu=False, pretr
         named = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     weights = list(named.values())
     final = _evaluate_and_save(trainer, named) if pretrained is not None else {}
-    result = {**final, "zero_init": zero_init, "weights": weights, "per_step": per_step, "consistent": ours.replicas_consistent(),
+    result = {**final, "zero_init": zero_init, "weights": weights, "per_step": per_step,
+              "sent": ours.comm_stats()["replicate"]["bytes_sent"], "consistent": ours.replicas_consistent(),
               "optimizer": type(ours).__name__,
               "allreduce": _fp32_allreduce_bytes(model), "algorithms": [g["algorithm"] for g in ours.param_groups],
               "engine_allreduce": trainer.model_wrapped.enable_backward_allreduce,
@@ -283,12 +288,13 @@ def test_accelerator_cpu_true_leaves_deepspeed_out(pool2):
         assert "DEEPSPEED" not in distributed_type and wrapper == "DistributedDataParallel", (distributed_type, wrapper)
 
 
-def _accelerate(directory):
-    """Accelerate's DeepSpeedPlugin with the full config and DummyOptim (the optimizer comes from the config)."""
+def _accelerate(directory, local_steps=None, steps=STEPS):
+    """Accelerate's DeepSpeedPlugin with the full config and DummyOptim (the optimizer comes from the config);
+    with `local_steps`, `steps` steps and then LocalSteps.sync_now (the docs' end of training) before save_state."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DummyOptim
     _env()
-    config = _config(0)
+    config = _config(0, local_steps)
     config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1, gradient_clipping=1.0)
     config["optimizer"]["params"]["lr"] = 3e-3
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
@@ -300,9 +306,15 @@ def _accelerate(directory):
     gathered = [torch.empty_like(first) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, first)
     sent = []
-    for step, batch in zip(range(STEPS), loader):
+    for step, batch in zip(range(steps), loader):
         accelerator.backward(engine(**batch).loss)
         sent.append(ours.comm_stats()["replicate"]["bytes_sent"])
+    if local_steps:
+        before = ours.replicas_consistent()
+        synced = sds.shard_optimizer(engine).sync_now()
+        result = (before, synced, ours.replicas_consistent())
+        engine.destroy()
+        return result
     accelerator.save_state(directory)
     per_step = [b - a for a, b in zip([0] + sent, sent)]
     result = (not torch.equal(gathered[0], gathered[1]), accelerator.num_processes, per_step, _fp32_allreduce_bytes(model),
@@ -317,6 +329,14 @@ def test_accelerate_deepspeed_plugin_splits_the_data_and_trains_compressed(pool2
         print(f"Accelerate: replicate B/step {per_step} vs fp32 all-reduce {allreduce}")
         assert own_batches and processes == 2
         assert 0 < max(per_step[1:]) <= allreduce / 25 and consistent and engine_allreduce is False
+
+
+def test_accelerate_with_local_steps_ending_off_a_sync_step_syncs_with_sync_now(pool2, tmp_path):
+    """Issue 39.2, Accelerate + DeepSpeed (no end-of-training event): sync_every 4, 6 steps, then
+    shard_optimizer(engine).sync_now() as docs/trainers.md says: the replicas differ before, agree after."""
+    local_steps = {"sync_every": 4, "exchange": "sign_mean", "block": 128}
+    for before, synced, after in pool2.run(_accelerate, str(tmp_path), local_steps, 6, timeout_s=TIMEOUT_S):
+        assert not before and synced == [0] and after
 
 
 def _accelerate_stage(directory, stage, pretrained):
@@ -474,10 +494,41 @@ def test_hf_trainer_with_local_steps_in_the_config_syncs_every_round_and_resumes
     local_steps = {"sync_every": 3, "exchange": "sign_mean", "block": 128, "outer_momentum": 0.0}
     for run in pool2.run(_hf_trainer_straight_and_resumed, str(tmp_path), 0, local_steps, timeout_s=TIMEOUT_S):
         assert run["optimizer"] == "DeepSpeedLocalSteps" and run["engine_allreduce"] is False
-        inner = [run["per_step"][i] for i in (0, 1, 3)]
-        assert inner == [0, 0, 0] and run["per_step"][2] > 0, run["per_step"]
-        assert run["resumed_per_step"][:2] == [run["per_step"][2], 0], run["resumed_per_step"]
-        assert run["resumed_equal"] and not run["consistent"]   # (step 4 is an inner step: the replicas differ)
+        inner = [run["per_step"][i] for i in (1, 3)]   # (step 1: the double-averaging check, 24 B)
+        assert inner == [0, 0] and run["per_step"][0] == collective_bytes("all_reduce", 24, 2), run["per_step"]
+        assert run["per_step"][2] > 0, run["per_step"]
+        check = collective_bytes("all_reduce", 24, 2)   # the resumed run checks again, at its first step (3)
+        assert run["resumed_per_step"][:2] == [run["per_step"][2] + check, 0], run["resumed_per_step"]
+        assert run["resumed_equal"] and not run["consistent"]   # (step 4 is an inner step, no callback: they differ)
+
+
+def _hf_trainer_ending_off_a_sync(directory):
+    """sync_every 4, max_steps 6 (a save every 2 steps: checkpoint-6 is the last), ShardoptCallback, then
+    save_model: the run, and whether checkpoint-6's and the final model's weights are what this rank's
+    engine holds after training."""
+    from safetensors.torch import load_file
+    from shardopt.hf import ShardoptCallback
+    local_steps = {"sync_every": 4, "exchange": "sign_mean", "block": 128}
+    run = _hf_trainer(directory, 0, resume=False, local_steps=local_steps, steps=6, callbacks=[ShardoptCallback()],
+                      save_to=os.path.join(directory, "final"))
+    weights = dict(zip([name for name, _ in _model().named_parameters()], run.pop("weights")))
+    weights["lm_head.weight"] = weights["transformer.wte.weight"]   # tied (named_parameters lists it once)
+    for where in ("checkpoint-6", "final"):
+        saved = load_file(os.path.join(directory, where, "model.safetensors"))
+        run[where] = (sorted(set(saved) - set(weights)), [name for name, tensor in saved.items()
+                                                           if name in weights and not torch.equal(tensor, weights[name])])
+    return run
+
+
+def test_hf_trainer_with_local_steps_ending_off_a_sync_step_ends_with_identical_replicas(pool2, tmp_path):
+    """Issue 39.2: sync_every 4, max_steps 6. ShardoptCallback syncs after step 6 (before the checkpoint) with
+    one more round: the replicas end bitwise equal, and the checkpoint and the saved model are the synced
+    weights (every rank's, so rank 0's files are everyone's)."""
+    for run in pool2.run(_hf_trainer_ending_off_a_sync, str(tmp_path), timeout_s=TIMEOUT_S):
+        assert run["optimizer"] == "DeepSpeedLocalSteps" and run["consistent"]
+        assert run["per_step"][3] > 0 and run["per_step"][4] == 0 and run["per_step"][5] == 0, run["per_step"]
+        assert run["sent"] - sum(run["per_step"]) >= run["per_step"][3], (run["sent"], run["per_step"])   # the end's sync
+        assert run["checkpoint-6"] == run["final"] == ([], []), (run["checkpoint-6"], run["final"])
 
 
 @pytest.mark.parametrize("name", ["signmuon_bf16", "signmuon_fp16", "dion_bf16", "signmuon_local_steps_bf16", "adamw"])

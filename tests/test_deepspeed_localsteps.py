@@ -2,7 +2,7 @@
 
 Two gloo ranks (one worker pool for the module), CPU accelerator, every rank a replica. Pinned here:
 - fp32: the engine's run equals shardopt.LocalSteps around Sign-Muon (no replicate axis) driven by a
-  plain backward, weights and replicate bytes; the inner steps send 0 bytes on the replicate axis,
+  plain backward, weights and replicate bytes; the inner steps send 0 bytes on the replicate axis (step 1: the double-averaging check),
   the syncs the format's bytes; the replicas are bitwise equal after a sync and differ between syncs.
 - fp32 with the inner optimizer's overlap_backward: bitwise the weights without it, work started in backward.
 - bf16: trains (loss goes down); an inf gradient on one rank skips that replica's inner step only
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")   # the CPU op compile
 import shardopt  # noqa: E402
 import shardopt.deepspeed as sds  # noqa: E402
 from shardopt.deepspeed.config import load_config, plugin_setup  # noqa: E402
+from shardopt.wire.comm import collective_bytes  # noqa: E402
 from test_deepspeed import SIGNMUON, _batch, _config, _env, _loss, _max_diff, _model, _train, _weights  # noqa: E402
 from workers import WorkerPool  # noqa: E402
 
@@ -80,8 +81,9 @@ def test_fp32_engine_equals_local_steps_and_sends_only_at_syncs(pool):
         assert name == "DeepSpeedLocalSteps" and described.startswith(f"LocalSteps: sync every {H} steps")
         assert diff <= 1e-6
         assert sent == reference_sent
-        assert [sent[i] for i in (0, 1, 3, 4, 6)] == [0] * 5, sent     # the inner steps send nothing
-        assert sent[5] == sync_bytes and sent[2] > sync_bytes, sent   # (the first: + the double-averaging check)
+        assert [sent[i] for i in (1, 3, 4, 6)] == [0] * 4, sent        # the inner steps send nothing,
+        assert sent[0] == collective_bytes("all_reduce", 24, 2), sent   # but the first the double-averaging check
+        assert sent[5] == sync_bytes == sent[2], sent
         assert consistent == [False, False, True, False, False, True, False], consistent
 
 
@@ -143,6 +145,36 @@ def test_bf16_trains_and_an_inf_gradient_skips_one_replica_without_losing_the_ro
         assert inner_bytes == 0                        # not even a flag crossed the replicas
         assert skipped == (1 if rank == 1 else 0)
         assert steps == 5 * H and consistent and one_sync
+
+
+def _model_weights_equal_across_replicas(engine) -> bool:
+    from shardopt.optim.guard import bit_hash
+    mine = bit_hash(torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])).reshape(1)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _ending_off_a_sync(precision):
+    """H + 2 steps (a sync, then two inner steps), then sync_now: whether the model's weights are equal across
+    the replicas before and after, and whether the optimizer's params are the synced θ_outer and (bf16) the model's weights the masters rounded."""
+    _env()
+    engine, *_ = sds.initialize(model=_model(), config=_local_config(precision))
+    ours = sds.shard_optimizer(engine)
+    _train(engine, H + 2)
+    before = _model_weights_equal_across_replicas(engine)
+    synced = ours.sync_now()
+    is_outer = all(torch.equal(p.detach(), ours.state[p]["outer_params"]) for p in ours.params()) and all(
+        torch.equal(low.detach(), master.detach().to(low.dtype)) for low, master in ours.inner.wiring.masters)
+    return before, _model_weights_equal_across_replicas(engine), synced, is_outer, ours.replicas_consistent()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sync_now_ends_a_run_off_a_sync_step_with_identical_model_weights(pool, precision):
+    """Issue 39.2, DeepSpeed's own loop: shard_optimizer(engine).sync_now() before saving the final model; under
+    bf16 the model's weights are refreshed from the synced fp32 masters too."""
+    for before, after, synced, is_outer, consistent in pool.run(_ending_off_a_sync, precision, timeout_s=TIMEOUT_S):
+        assert not before and after and is_outer and consistent and synced == [0], (before, after, is_outer, synced)
 
 
 def _checkpoint_mid_round(directory, precision):

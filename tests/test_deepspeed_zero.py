@@ -317,7 +317,8 @@ def test_local_steps_on_the_mesh_sync_across_nodes_only_every_round_at_every_sta
     results = pool.run(_local_steps_at_every_stage, timeout_s=TIMEOUT_S)
     for rank, runs in enumerate(results):
         for stage, (replicate, node, (after_sync, mid_round), losses, sync_bytes, outer_bytes) in runs.items():
-            assert [replicate[i] for i in (0, 1, 3, 4, 6)] == [0] * 5, (stage, replicate)  # inner steps: nothing across
+            assert [replicate[i] for i in (1, 3, 4, 6)] == [0] * 4, (stage, replicate)  # inner steps: nothing across,
+            assert replicate[0] == collective_bytes("all_reduce", 24, 2), (stage, replicate)  # but step 1's check
             assert replicate[5] == sync_bytes > 0 and replicate[2] >= sync_bytes, (stage, replicate)
             assert min(node) > 0                              # the node's gradients, every step
             assert after_sync == (True, True), stage          # step 6: all four ranks bitwise equal

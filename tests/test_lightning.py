@@ -55,12 +55,14 @@ def test_overlap_backward_under_ddp_is_bitwise_and_begins_in_the_last_micro_batc
         assert len(on) == 6 and all(n > 0 for n in on) and off == [0] * 6, overlap
 
 
-def test_gradient_clip_val_and_missing_replicate_mesh_are_refused(scenarios):
+def test_gradient_clip_val_missing_replicate_mesh_and_local_steps_are_refused(scenarios):
     for result in scenarios:
         refused = result["refused"]
         assert "gradient_clip_val=1.0" in refused["gradient_clip_val"] and \
             "max_grad_norm=1.0" in refused["gradient_clip_val"], refused
         assert "replicate_mesh=torch.distributed.group.WORLD" in refused["no_replicate_mesh"], refused
+        assert "does not run shardopt.LocalSteps" in refused["local_steps"], refused
+        assert "Local steps at the end of training" in refused["local_steps"], refused
 
 
 def test_shardopt_imports_without_lightning_and_the_adapter_says_what_to_install():

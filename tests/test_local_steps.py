@@ -21,7 +21,7 @@ SHAPES = [(8, 6), (5,), (4, 4)]
 NUMEL = sum(torch.Size(shape).numel() for shape in SHAPES)
 BLOCK = 16
 INNER_LR = 0.1
-CHECK_BYTES = collective_bytes("all_reduce", 24, 2)   # the double-averaging check at the first sync
+CHECK_BYTES = collective_bytes("all_reduce", 24, 2)   # the double-averaging check before the first inner step
 
 
 # ---- helpers run on every rank ----------------------------------------------------------------------
@@ -181,6 +181,51 @@ def _fragments(fragments):
     return _bytes_per_step("sign_vote", steps=8, sync_every=4, fragments=fragments, double_averaging_check=False)
 
 
+def _stop_off_a_sync(steps, sync_every, **options):
+    """`steps` steps with `sync_every` (the last not a sync step), then sync_now twice; the replicate bytes of
+    each call, what it synced, the replicas' equality before and after, the params (float64) and whether they
+    equal θ_outer; then two more steps, to the next scheduled sync."""
+    params = _params()
+    opt = _local_steps("sgd", params, sync_every=sync_every, **options)
+    for step in range(1, steps + 1):
+        _set_gradients(params, step, _rank())
+        opt.step()
+    before, hash_before = opt.replicas_consistent(), _hash(params)
+    sent, synced = [], []
+    for _ in range(2):
+        opt.reset_comm_stats()
+        synced.append(opt.sync_now())
+        sent.append(opt.comm_stats()["replicate"]["bytes_sent"])
+    equal_outer = all(torch.equal(p.detach(), opt.state[p]["outer_params"]) for p in params)
+    after, final = opt.replicas_consistent(), [p.detach().double() for p in params]
+    for step in range(steps + 1, steps + 3):
+        _set_gradients(params, step, _rank())
+        opt.step()
+    return {"before": before, "after": after, "sent": sent, "synced": synced, "params": final,
+            "equal_outer": equal_outer, "format_bytes": opt.sync_bytes(), "hash": _hash(params), "hash_before": hash_before,
+            "consistent_later": opt.replicas_consistent()}
+
+
+def _double_averaged_step():
+    """A DDP model (gradients all-reduced over both replicas) under LocalSteps with AdamW: the error at step 1,
+    params and optimizer state untouched, the check's bytes counted."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(6, 4))
+    opt = shardopt.LocalSteps(torch.optim.AdamW(model.parameters(), lr=0.01), replicate_mesh=dist.group.WORLD,
+                              sync_every=4, exchange="sign_mean")
+    model(torch.randn(3, 6, generator=torch.Generator().manual_seed(_rank()))).square().sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+        error = None
+    except shardopt.DoubleAveragingError as raised:
+        error = str(raised)
+    return {"error": error, "steps": opt.steps, "inner_state": len(opt.inner.state), "outer_state": len(opt.state),
+            "unchanged": all(torch.equal(a, p) for a, p in zip(before, model.parameters())),
+            "sent": opt.comm_stats()["replicate"]["bytes_sent"]}
+
+
 def _refused(kind):
     import torch.distributed as dist
     params = _params()
@@ -208,7 +253,7 @@ def test_every_format_counts_its_formula_sends_nothing_between_syncs_and_keeps_r
         for rank in range(2):
             result = results[rank][exchange]
             assert result["format_bytes"] == [expected], exchange
-            assert result["sent"] == [0, 0, expected + CHECK_BYTES, 0, 0, expected], (exchange, result["sent"])
+            assert result["sent"] == [CHECK_BYTES, 0, expected, 0, 0, expected], (exchange, result["sent"])
             assert result["consistent"][2] and result["consistent"][5], exchange
         assert not all(results[0][exchange]["consistent"]), f"{exchange}: replicas drift between syncs"
 
@@ -363,6 +408,62 @@ def test_fragments_split_the_sync_bytes(pool2):
     assert max(split["sent"]) < 0.75 * max(whole["sent"])
 
 
+FLAG_BYTES = collective_bytes("all_reduce", 4, 2)   # sync_now's agreement on what is due (one fragment)
+
+
+def test_stopping_off_a_sync_step_then_sync_now_gives_identical_replicas(pool2):
+    """sync_every 4, 6 steps: the replicas differ; sync_now sends one round (+ the due flags) and leaves them
+    bitwise equal at θ_outer; a second call sends the flags only; training goes on to the next sync."""
+    results = pool2.run(_stop_off_a_sync, 6, 4, exchange="sign_mean")
+    for result in results:
+        assert not result["before"] and result["after"] and result["equal_outer"] and result["consistent_later"]
+        assert result["synced"] == [[0], []]
+        assert result["sent"] == [result["format_bytes"][0] + FLAG_BYTES, FLAG_BYTES], result["sent"]
+    assert results[0]["hash_before"] != results[1]["hash_before"]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+    assert results[0]["hash"] == results[1]["hash"]   # step 8: the next scheduled sync
+
+
+def test_sync_now_with_mean_and_outer_lr_one_averages_the_replicas(pool2):
+    """"mean", outer lr 1, momentum 0: sync_now after 3 steps (sync_every 2) leaves the float64 mean of the
+    two replicas' params (each: θ after the step-2 sync, minus lr·g at step 3)."""
+    results = pool2.run(_stop_off_a_sync, 3, 2, exchange="mean", outer_lr=1.0, outer_momentum=0.0)
+    theta = [p.detach().double() for p in _params()]
+    for step in (1, 2):
+        grads = [_gradients(step, replica, torch.float64) for replica in range(2)]
+        theta = [t - INNER_LR * (g0 + g1) / 2 for t, g0, g1 in zip(theta, *grads)]
+    grads = [_gradients(3, replica, torch.float64) for replica in range(2)]
+    want = [t - INNER_LR * (g0 + g1) / 2 for t, g0, g1 in zip(theta, *grads)]
+    for result in results:
+        for got, expected in zip(result["params"], want):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [dict(overlap=True), dict(fragments=2), dict(overlap=True, fragments=2)])
+def test_sync_now_with_overlap_or_fragments_leaves_identical_replicas(pool2, options):
+    results = pool2.run(_stop_off_a_sync, 6, 4, exchange="sign_vote", **options)
+    for result in results:
+        assert result["after"] and result["equal_outer"] and result["synced"][1] == [], result["synced"]
+        assert result["consistent_later"] or options.get("fragments")   # (fragment 0 moved at steps 7-8)
+    assert results[0]["hash_before"] != results[1]["hash_before"]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+
+
+def test_sync_now_at_a_sync_step_sends_only_the_flags(pool2):
+    for result in pool2.run(_stop_off_a_sync, 4, 4, exchange="sign_mean"):
+        assert result["before"] and result["after"] and result["synced"] == [[], []]
+        assert result["sent"] == [FLAG_BYTES, FLAG_BYTES]
+
+
+def test_double_averaging_under_ddp_is_refused_at_step_1_before_anything_changes(pool2):
+    for result in pool2.run(_double_averaged_step):
+        assert result["error"] is not None and "at step 1" in result["error"], result["error"]
+        assert "No optimizer state was changed" in result["error"]
+        assert "LocalSteps(double_averaging_check=False)" in result["error"]
+        assert result["unchanged"] and result["steps"] == 0 and result["inner_state"] == 0 and result["outer_state"] == 0
+        assert result["sent"] == CHECK_BYTES
+
+
 def test_bad_inputs_name_the_parameter(pool2):
     params = _params()
     sgd = torch.optim.SGD(params, lr=0.1)
@@ -454,7 +555,7 @@ def test_hsdp_sends_the_formula_per_shard_and_resumes_through_dcp(pool4, tmp_pat
     results = pool4.run(_hsdp_run, kind, str(tmp_path / "checkpoint"))
     for rank, result in enumerate(results):
         expected = reference.outer_bytes("int8", result["local_numel"], 2, BLOCK)
-        assert result["sent"] == [0, expected + CHECK_BYTES, 0, expected, 0, expected], (rank, result["sent"])
+        assert result["sent"] == [CHECK_BYTES, expected, 0, expected, 0, expected], (rank, result["sent"])
         assert result["consistent"][1::2] == [True] * 3 and result["outer_is_dtensor"]
         assert result["resumed"] == result["straight"]
     assert results[0]["straight"] == results[2]["straight"] and results[1]["straight"] == results[3]["straight"]

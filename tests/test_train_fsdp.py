@@ -137,6 +137,19 @@ def test_signmuon_inside_fsdp_lowers_the_loss_and_profiles_the_chosen_steps(data
     assert list(profile)[-1] == "(outside any op)"
 
 
+def test_local_steps_ending_off_a_sync_step_saves_identical_replicas(data_dir, tmp_path):
+    """Issue 39.2: --local-steps 4, --steps 6: the last step syncs (LocalSteps.sync_now), so both replicas'
+    checkpoints of step 6 hold bitwise the same weights (each replica writes its own, checkpoint.py)."""
+    train(data_dir, tmp_path, "--optimizer", "signmuon", "--steps", "6", "--local-steps", "4", "--outer-exchange",
+          "sign_mean", "--checkpoint-every", "6", "--replicate", "2", "--shard", "1", "--log-every", "3",
+          "--eval-every", "6")
+    replicas = [checkpoint_tensors(tmp_path / "checkpoints" / "step_000006" / f"replica_{r}", tmp_path / f"r{r}.pt")
+                for r in range(2)]
+    weights = [{k: v for k, v in replica.items() if k.startswith(".model.")} for replica in replicas]
+    assert weights[0] and weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def test_mismatched_mesh_is_a_clear_error(data_dir):
     """Checked before any process group starts (so without torchrun, as torchrun's WORLD_SIZE says)."""
     command = [sys.executable, str(TRAIN), "--data-dir", str(data_dir), "--replicate", "3", "--shard", "1"]
@@ -256,6 +269,31 @@ def test_resume_continues_bitwise_on_the_same_trajectory(data_dir, tmp_path, who
     assert not different, different
     final = lambda rows: [(r["step"], r["train_loss"], r["val_loss"]) for r in rows if int(r["step"]) >= 15]
     assert final(metrics(whole_dir)) == final(metrics(tmp_path / "split"))
+
+
+def test_checkpoint_momenta_own_sends_nothing_resumes_bitwise_and_refuses_another_replica_count(data_dir, tmp_path):
+    """--checkpoint-momenta own (issue 39.1): each replica saves its own momenta, 0 bytes; stopping at 6 and
+    resuming ends, per replica, with the straight run's step-10 checkpoint bit for bit; --replicate 1 is refused."""
+    own = ["--optimizer", "signmuon", "--nonmatrix-algorithm", "lion", "--steps", "10", "--checkpoint-every", "2",
+           "--checkpoint-momenta", "own", "--log-every", "2", "--eval-every", "10"]
+    mesh = ["--replicate", "2", "--shard", "1"]
+    train(data_dir, tmp_path / "whole", *own, *mesh, "--summary-csv", str(tmp_path / "whole.csv"))
+    train(data_dir, tmp_path / "split", *own, *mesh, "--stop-at", "6")
+    assert "(step 6, lr scheduler at step 6)" in train(data_dir, tmp_path / "split", *own, *mesh, "--resume")
+    for replica in range(2):
+        folder = Path("checkpoints") / "step_000010" / f"replica_{replica}"
+        whole = checkpoint_tensors(tmp_path / "whole" / folder, tmp_path / "w.pt")
+        split = checkpoint_tensors(tmp_path / "split" / folder, tmp_path / "s.pt")
+        assert whole.keys() == split.keys() and any("momentum" in key for key in whole)
+        assert [key for key in whole if not torch.equal(whole[key], split[key])] == []
+    with open(tmp_path / "whole.csv") as f:
+        summary = next(csv.DictReader(f))
+    assert summary["checkpoint_momenta"] == "own" and summary["checkpoint_bytes"] == "0"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN),
+               "--data-dir", str(data_dir), "--out-dir", str(tmp_path / "split"), *TINY, *own, "--replicate", "1",
+               "--shard", "2", "--resume"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=run_env(), cwd=ROOT)
+    assert done.returncode != 0 and "2 per-replica checkpoints" in done.stdout + done.stderr, done.stderr[-3000:]
 
 
 def test_checkpoint_resumes_on_another_mesh(data_dir, tmp_path, whole_runs):

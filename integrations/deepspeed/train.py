@@ -114,6 +114,10 @@ def main():
             lr = engine.get_lr()[0]
             print(f"step {step:5d} | loss {loss_sum.item() / world:.4f} | lr {lr:.2e} | sent {step_bytes}"
                   f"{' | skipped (overflow)' if not engine.was_step_applied() else ''}", flush=True)
+    if isinstance(optimizer, shardopt.LocalSteps):   # the last round ends synced: every replica holds one model
+        synced = optimizer.sync_now()
+        if rank == 0 and synced:
+            print(f"end: synced fragment(s) {synced} left pending by the last round (LocalSteps.sync_now)", flush=True)
     if rank == 0:
         total = optimizer.comm_stats()["replicate"]["bytes_sent"] if optimizer else allreduce_bytes * args.steps
         print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f} s, {total:,} B sent on the data-parallel axis"
@@ -122,10 +126,7 @@ def main():
         val = val_loss(args, engine, data.load(args.data_dir, "val"), batch_size, args.val_batches)
         if rank == 0:
             print(f"val loss {val:.4f} ({args.val_batches} batches of {batch_size} per rank, {world} ranks)")
-    # local steps: the replicas' weights agree right after a sync of the whole model (with overlap, θ_outer always)
-    between_syncs = isinstance(optimizer, shardopt.LocalSteps) and not optimizer.overlap and (
-        optimizer.fragments > 1 or optimizer.steps % optimizer.sync_every)
-    consistent = optimizer is None or between_syncs or optimizer.replicas_consistent()
+    consistent = optimizer is None or optimizer.replicas_consistent()   # (local steps: synced at the end above)
     del optimizer
     dist.barrier()
     shardopt.deepspeed.shutdown(engine)                # engine, then every process group, before the interpreter exits

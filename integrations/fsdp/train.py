@@ -26,7 +26,9 @@ trajectory as an uninterrupted run; a checkpoint also resumes on another --repli
 (DCP reshards it). Written to --out-dir: metrics.csv (one row per log
 step), loss.png (if matplotlib is installed: pip install -e '.[train]'), summary.json and
 checkpoints/step_NNNNNN/ (on several nodes, put --out-dir where every node sees it),
-tensorboard/ with --tensorboard.
+tensorboard/ with --tensorboard. With --local-steps H a last step off a sync step ends the last round
+with a sync (LocalSteps.sync_now: at most one round's bytes), so the final evaluation, checkpoint and
+every replica hold the same model (not with --fault-tolerant: a torchft round needs a quorum).
 
 Everyday options: --bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 weights, gradients and
 optimizer state), --grad-accum N (N micro-batches per step; FSDP2 reduce-scatters on the last one
@@ -102,6 +104,11 @@ parser.add_argument("--overlap-backward", choices=("on", "off"), help="start eac
 step_profile.add_argument(parser)
 parser.add_argument("--stop-at", type=int, help="stop after this step (e.g. to resume later)")
 parser.add_argument("--checkpoint-every", type=int, help="0: no checkpoints")
+parser.add_argument("--checkpoint-momenta", choices=("mean", "sign_vote", "sign_mean", "own"), default="mean",
+                    help="what a checkpoint saves of the replicas' decoupled momenta: their exact fp32 mean (the "
+                    "default: resumes on another --replicate), a 1-bit agreement (sign_vote, sign_mean: at most "
+                    "one step's bytes), or each replica its own (own: 0 bytes, the training unchanged; "
+                    "resumes on the same --replicate only). Local steps: always own")
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
 parser.add_argument("--out-dir", type=Path, help="default: runs/<optimizer>")
 parser.add_argument("--tensorboard", action="store_true", help="log loss, lr, grad norm and bytes to "
@@ -212,13 +219,13 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(
 
 # ---- checkpoints (checkpoint.py): DCP of model + optimizer + lr scheduler ----------------------
 checkpoints = args.out_dir / "checkpoints"
-replica = None   # with local steps each replica checkpoints its own state: (its index, the group of its ranks)
-if args.local_steps:
+replica = None   # with local steps (or --checkpoint-momenta own) each replica checkpoints its own state:
+if args.local_steps or args.checkpoint_momenta == "own":   # (its index, the group of its ranks)
     ranks_per_replica = args.shard * args.tp
     replica_group, _ = dist.new_subgroups_by_enumeration(
         [list(range(r * ranks_per_replica, (r + 1) * ranks_per_replica)) for r in range(args.replicate)])
     replica = (mesh.get_local_rank("replicate"), replica_group)
-start_step, found = 0, checkpoint.latest(checkpoints, replica)
+start_step, found = 0, checkpoint.latest(checkpoints, replica, args.replicate if args.resume else None)
 if found and not args.resume:
     log(f"note: {checkpoints} holds checkpoints of an earlier run (up to step {found[0]}); this run starts "
         f"from step 0 and overwrites them as it reaches their steps (--resume continues instead)")
@@ -254,7 +261,7 @@ rows = metrics.rows
 replicate_bytes = int(rows[-1]["replicate_bytes"]) if rows and rows[-1]["replicate_bytes"] else 0
 loop_started = time.perf_counter()
 window = dict(loss=torch.zeros((), device=device), steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
-totals = dict(steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0)
+totals = dict(steps=0, seconds=0.0, opt_seconds=0.0, replicate=0, shard=0, checkpoint_bytes=0)
 steps = fault_tolerant.Steps(opt, scheduler, start_step, end_step) if args.fault_tolerant else \
     range(start_step + 1, end_step + 1)   # (fault-tolerant: a step whose round is not committed runs again)
 progress = tqdm(steps, initial=start_step, total=end_step, desc=args.optimizer,
@@ -278,6 +285,8 @@ for step in progress:
         opt.step()    # clips (--clip), exchanges over the replicate axis, updates
     scheduler.step()
     opt.zero_grad(set_to_none=True)
+    if args.local_steps and step == end_step and not args.fault_tolerant:
+        opt.sync_now()   # the last round ends here, synced: the final evaluation and checkpoint see one model
     if device.type == "cuda":
         torch.cuda.synchronize()
     tock = time.perf_counter()
@@ -315,7 +324,7 @@ for step in progress:
 
     # every --check-replicas-every steps; with local steps at the first sync of each period (the replicas are
     # equal right after a sync; with --outer-overlap the outer params are what is compared)
-    synced = not args.local_steps or step % args.local_steps == 0
+    synced = not args.local_steps or step % args.local_steps == 0 or step == end_step
     every = args.check_replicas_every
     if every and synced and step // every > replicas_checked_at // every:
         replicas_checked_at = step
@@ -323,7 +332,8 @@ for step in progress:
             raise SystemExit(f"rank {rank}: replicas diverged at step {step} (weights differ bitwise between "
                              f"replicas); stopping. Resume from the last checkpoint with --resume")
     if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == end_step):
-        checkpoint.save(checkpoints, step, model, opt, scheduler, replica)
+        totals["checkpoint_bytes"] += checkpoint.save(checkpoints, step, model, opt, scheduler, replica,
+                                                      args.checkpoint_momenta)
 progress.close()
 metrics.close()
 if profile:
@@ -349,6 +359,8 @@ if master and totals["steps"]:
         "params": model.num_params(), "steps": end_step, "tokens": end_step * tokens_per_step,
         "final_train_loss": float(rows[-1]["train_loss"]), "final_val_loss": final_val,
         "replicate_bytes_per_step": totals["replicate"] // totals["steps"],
+        **({"checkpoint_momenta": args.checkpoint_momenta, "checkpoint_bytes": totals["checkpoint_bytes"]}
+           if args.checkpoint_every else {}),
         "shard_bytes_per_step": totals["shard"] // totals["steps"],
         "step_ms": round(1000 * totals["seconds"] / totals["steps"], 2),
         "opt_step_ms": round(1000 * totals["opt_seconds"] / totals["steps"], 2),

@@ -12,7 +12,7 @@ from ..optim.guard import replicas_equal
 from ..localsteps.fragment import Ownership
 from ..localsteps.optimizer import LocalSteps
 from ..optim.optimizer import Dion, ShardOptimizer, SignMuon
-from ..optim.replicas import checkpoint_exchange
+from ..optim.checkpoint_momenta import checkpoint_exchange
 from ..overlap.backward import BackwardOverlap
 from ..layout.placement import local
 from . import internals
@@ -215,6 +215,14 @@ class DeepSpeedLocalSteps(LocalSteps):
         if self.inner.wiring is None:   # the wrapper's construction-time step on zero gradients: not a step
             return self.inner.step(closure)
         return super().step(closure)
+
+    def sync_now(self) -> list[int]:
+        """LocalSteps.sync_now (the end of training, before saving the final model), then the model's fp16/bf16
+        weights from the synced fp32 masters (the wrapper's step does that after a scheduled sync)."""
+        due = super().sync_now()
+        if self.inner.wiring is not None:
+            self.inner.wiring.model_weights_from_masters()
+        return due
 
     @property
     def overflow(self) -> bool:

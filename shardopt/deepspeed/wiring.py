@@ -172,14 +172,19 @@ class EngineWiring:
                     load_tensors(fp32, own[1])
                 if self.local_steps:
                     load_tensors(params, own[1])
-                    with torch.no_grad():   # the model's fp16/bf16 weights from the masters, as the wrapper's step does
-                        for low, master in self.masters:
-                            low.copy_(master)
+                    self.model_weights_from_masters()
             return path, client_state
 
         save_checkpoint.__doc__, load_checkpoint.__doc__ = save.__doc__, load.__doc__
         self.patches.set(engine, "save_checkpoint", save_checkpoint)
         self.patches.set(engine, "load_checkpoint", load_checkpoint)
+
+    @torch.no_grad()
+    def model_weights_from_masters(self) -> None:
+        """The model's fp16/bf16 weights from the fp32 master copies, as the wrapper's step does (nothing in
+        fp32: the optimizer's params are the model's)."""
+        for low, master in self.masters:
+            low.copy_(master)
 
     def _hand_over(self):
         """hand_over(param, g): with overlap_backward, a model param's final gradient g (its .grad, or at ZeRO 2

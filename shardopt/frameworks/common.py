@@ -4,8 +4,9 @@ processes, and readying it for the framework's checkpoint."""
 
 from __future__ import annotations
 
+from ..localsteps.optimizer import LocalSteps
 from ..optim.optimizer import ShardOptimizer
-from ..optim.replicas import checkpoint_exchange
+from ..optim.checkpoint_momenta import checkpoint_exchange
 
 
 def shardopt_optimizer(optimizer, fix: str) -> ShardOptimizer:
@@ -14,9 +15,21 @@ def shardopt_optimizer(optimizer, fix: str) -> ShardOptimizer:
     inner = optimizer
     while not isinstance(inner, ShardOptimizer) and hasattr(inner, "optimizer"):
         inner = inner.optimizer
+    if isinstance(inner, LocalSteps):
+        raise TypeError("shardopt: LocalSteps runs under HF Trainer and Accelerate through a DeepSpeed config "
+                        "(\"shardopt\": {\"local_steps\": {...}}, docs/trainers.md), not as the optimizer of their DDP, "
+                        "and not under Lightning; in your own loop, wrap the model yourself (LocalSteps' docstring)")
     if not isinstance(inner, ShardOptimizer):
         raise TypeError(f"shardopt: the framework holds a {type(optimizer).__name__}, not a shardopt optimizer; {fix}")
     return inner
+
+
+def local_steps_inside(optimizer) -> LocalSteps | None:
+    """The LocalSteps inside `optimizer` (Accelerate's wrapper → DeepSpeed's fp16/bf16 wrapper → the client
+    optimizer, each holding the next as .optimizer), or None."""
+    while not isinstance(optimizer, LocalSteps) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer if isinstance(optimizer, LocalSteps) else None
 
 
 def check_replicas(optimizer: ShardOptimizer, processes: int, framework: str) -> None:

@@ -15,7 +15,11 @@ or `optimizers=(shardopt optimizer, scheduler)` in place of optimizer_cls_and_kw
     needs the whole gradient first, so it turns the optimizer's exchange during backward off
     (`overlap_backward`, docs/design.md §12); with max_grad_norm=0 the exchange starts in backward,
     and Trainer's inner micro-batches (run under DDP's no_sync()) count as accumulation.
-Trainer's FSDP and DeepSpeed settings are refused with the reason. transformers is imported here
+(d) under a DeepSpeed config (TrainingArguments(deepspeed=...)), where the engine does (a)-(c), it only ends
+    local steps ("shardopt": {"local_steps": ...}): at the last step, before Trainer saves its last
+    checkpoint, and at the end of training, LocalSteps.sync_now() syncs what the last round left pending,
+    so the replicas end bitwise equal and the final checkpoint and model are the synced ones.
+Trainer's FSDP setting is refused with the reason. transformers is imported here
 only, so `import shardopt` works without it.
 """
 
@@ -28,7 +32,7 @@ import torch.distributed as dist
 from ..internals import active_ddp_module
 from .ddp import keep_local_gradients
 from .gradscaler import hand_over_scaler
-from .common import check_replicas, prepare_checkpoint, shardopt_optimizer
+from .common import check_replicas, local_steps_inside, prepare_checkpoint, shardopt_optimizer
 from ..optim.groups import param_groups
 from ..optim.optimizer import Dion, ShardOptimizer, SignMuon
 
@@ -49,6 +53,8 @@ class ShardoptCallback(TrainerCallback):
 
     def __init__(self):
         self.optimizer = None
+        self.local_steps = None   # under a DeepSpeed config with "local_steps": the LocalSteps to sync at the end
+        self._synced_at = None
         self.max_grad_norm = 0.0
         self.scaler = None
         self._hook = None
@@ -61,10 +67,9 @@ class ShardoptCallback(TrainerCallback):
                 f"the sharded ones, while shardopt derives its shard and replicate axes from the params when it is "
                 f"built (on a CPU, Accelerate ignores fsdp and Trainer runs DDP). Leave fsdp unset (Trainer then runs DDP, whose all-reduce this callback switches off), or "
                 f"shard with fully_shard before building the optimizer in your own loop (README.md, Use)")
-        if args.deepspeed:
-            raise NotImplementedError(
-                f"ShardoptCallback: TrainingArguments(deepspeed={args.deepspeed!r}): under DeepSpeed the engine owns "
-                f"the all-reduce and the checkpoints; see docs/trainers.md, 'HF Trainer with a DeepSpeed config'")
+        if args.deepspeed:   # the engine owns the all-reduce, the clipping and the checkpoints: only local steps' end
+            self.local_steps = local_steps_inside(optimizer)
+            return
         self.optimizer = shardopt_optimizer(optimizer, "pass Trainer(optimizers=(shardopt.SignMuon(...) or "
                                             "shardopt.Dion(...), None)) or Trainer(optimizer_cls_and_kwargs="
                                             "shardopt.hf.optimizer_cls_and_kwargs(...))")
@@ -91,15 +96,28 @@ class ShardoptCallback(TrainerCallback):
             self.optimizer.clip_grad_norm_(self.max_grad_norm)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps or control.should_training_stop:
+            self._end_local_steps(state)   # before Trainer saves the last checkpoint, after this event
         self._before_save(args, control)
 
     def on_epoch_end(self, args, state, control, **kwargs):
         self._before_save(args, control)
 
+    def on_train_end(self, args, state, control, **kwargs):
+        self._end_local_steps(state)   # (training stopped by another callback after this one's on_step_end)
+
+    def _end_local_steps(self, state) -> None:
+        """Local steps stopping off a sync step: sync what is pending (LocalSteps.sync_now), once per step, so
+        every replica ends with the same weights and the final checkpoint and model are the synced ones."""
+        if self.local_steps is not None and self._synced_at != state.global_step:
+            self.local_steps.sync_now()
+            self._synced_at = state.global_step
+
     def _before_save(self, args, control) -> None:
         """Trainer saves after this event when control.should_save is set (or, with save_strategy="best", after
         an evaluation that finds a new best): average the momenta first and check the replicas agree."""
-        if not (control.should_save or (args.save_strategy == "best" and control.should_evaluate)):
+        if self.optimizer is None or not (control.should_save or (args.save_strategy == "best" and
+                                                                  control.should_evaluate)):
             return
         prepare_checkpoint(self.optimizer, "Trainer saves a checkpoint")
 

@@ -19,6 +19,7 @@ with the LightningModule's `configure_optimizers` returning a shardopt optimizer
 - checks after the first optimizer step that the replicas' weights are bitwise equal (one all-gather
   of one hash per param): they are not when the optimizer's replicate axis is not DDP's world.
 
+`shardopt.LocalSteps` is refused (each replica's state is its own; see `_optimizers`).
 `accumulate_grad_batches` works as Lightning does it (`no_sync` on the inner micro-batches).
 """
 
@@ -34,9 +35,10 @@ except ImportError as error:   # the framework is optional (docs/design.md §11)
 
 from ..wire.comm import Axis
 from .ddp import keep_local_gradients
+from ..localsteps.optimizer import LocalSteps
 from ..optim.guard import replicas_equal
 from ..optim.optimizer import ShardOptimizer
-from ..optim.replicas import checkpoint_exchange
+from ..optim.checkpoint_momenta import checkpoint_exchange
 
 
 class ShardoptCallback(Callback):
@@ -96,6 +98,12 @@ class ShardoptCallback(Callback):
 
     def _optimizers(self, trainer) -> list[ShardOptimizer]:
         optimizers = [opt for opt in trainer.optimizers if isinstance(opt, ShardOptimizer)]
+        if any(isinstance(opt, LocalSteps) for opt in trainer.optimizers):
+            raise ValueError("ShardoptCallback does not run shardopt.LocalSteps: Lightning saves rank 0's checkpoint "
+                             "for every rank while each replica's local-steps state is its own, and the last round "
+                             "must be synced before the final save (LocalSteps.sync_now); use local steps through "
+                             "integrations/fsdp/train.py --local-steps H, a DeepSpeed config or your own loop "
+                             "(docs/trainers.md, 'Local steps at the end of training')")
         if not optimizers:
             raise ValueError(f"ShardoptCallback found no shardopt optimizer among the Trainer's optimizers "
                              f"({', '.join(type(opt).__name__ for opt in trainer.optimizers) or 'none'}); return "

@@ -47,7 +47,7 @@ from torch import nn
 from ..optim.groups import param_groups
 from ..algorithms.registry import ALGORITHMS
 from ..optim.optimizer import Dion, SignMuon
-from ..optim.replicas import checkpoint_exchange
+from ..optim.checkpoint_momenta import checkpoint_exchange
 from ..layout.placement import is_dtensor
 
 OPTIMIZERS = {"dion": Dion, "signmuon": SignMuon}

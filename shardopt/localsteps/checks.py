@@ -9,7 +9,7 @@ import logging
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..layout.placement import derive_meshes
+from ..layout.placement import derive_meshes, local
 from ..optim.guard import check_not_double_averaged
 from ..wire.comm import Axis, group_ranks
 from .formats import EXCHANGES
@@ -92,8 +92,11 @@ class SyncChecks:
     - `discard`: the exchange's non-finite flag (already agreed over the replicas), agreed over
       `agreement_axes` too (max, one float each) and read on the host (the sync's one device sync); a
       discarded round is counted in `discarded_rounds` and logged.
-    - `check_double_averaging`: once, at the first sync with a nonzero Δ anywhere, 24 bytes on the
-      replicate axis (optim/guard.py): DoubleAveragingError when every replica's Δ is bitwise equal."""
+    - `check_double_averaging`: once, at the first step with a nonzero gradient anywhere, 24 bytes on the
+      replicate axis (optim/guard.py): DoubleAveragingError when every replica's local gradients are
+      bitwise equal (something averaged them over the replicas already). It runs before the inner step,
+      so nothing has changed when it raises; on an axis whose collectives need a round (torchft's
+      ManagerAxis, `needs_round`) it runs inside the first sync instead, on the pseudo-gradient Δ."""
 
     def __init__(self, replicate: Axis, other_axes: list[Axis], agreement_axes: list[Axis], double_averaging: bool):
         self.replicate, self.other_axes, self.agreement_axes = replicate, other_axes, agreement_axes
@@ -119,7 +122,17 @@ class SyncChecks:
     def load_counters(self, counters: dict) -> None:
         self.double_averaging_checked = bool(counters["double_averaging_checked"])
 
-    def check_double_averaging(self, x: torch.Tensor, step: int) -> None:
-        if not self.double_averaging_checked and self.replicate.size > 1:
-            self.double_averaging_checked = check_not_double_averaged(
-                [x], self.replicate, [axis for axis in self.other_axes if axis.size > 1], x.device, step)
+    def check_gradients(self, params: list[torch.Tensor], step: int) -> None:
+        """`check_double_averaging` on the local gradients of `params` (those that have one), before a step."""
+        if not self.double_averaging_checked:
+            self.check_double_averaging([local(p.grad) for p in params if p.grad is not None], step, in_round=False)
+
+    def check_double_averaging(self, tensors: list[torch.Tensor], step: int, in_round: bool) -> None:
+        """The check on `tensors` (a step's local gradients, or inside a round a sync's Δ), until a step shows
+        evidence either way (all zero or none on every rank: checked again at the next one)."""
+        if self.double_averaging_checked or in_round != self.replicate.needs_round or self.replicate.size == 1:
+            return
+        device = tensors[0].device if tensors else torch.device("cpu")
+        self.double_averaging_checked = check_not_double_averaged(
+            tensors, self.replicate, [axis for axis in self.agreement_axes if axis.size > 1], device, step,
+            "LocalSteps(double_averaging_check=False)")

@@ -10,7 +10,7 @@ A sync is four moves on the fragment's params, x and Δ̄ flat (n,) fp32 over th
     finish()   advance to the end
     apply()    unless discarded: e ← the kept e;  b ← μ·b + Δ̄;  θ_outer ← θ_outer − lr·(Δ̄ + μ·b | b)
 
-Without overlap a sync is start, finish, apply, then θ ← θ_outer. With overlap the exchange started at
+Without overlap a sync is start, finish, apply, then θ ← θ_outer (`settle`, at the end of a run: the same). With overlap the exchange started at
 a sync runs during the next round (one `advance` per inner step) and its result is kept in the outer
 state (pending_*, so a checkpoint holds it); the next sync finishes it, applies it and starts its own:
 θ ← θ_outer + (θ − θ_start) (θ ← θ_outer when the applied round was discarded), θ_start ← θ.
@@ -130,13 +130,25 @@ class Fragment:
             self.apply()
             self._set_params(lambda state, param: local(state.params))
 
+    def settle(self, step: int) -> None:
+        """A sync at `step`, off the schedule, that leaves θ = θ_outer (the end of a run, finish.py): without
+        overlap `sync`; with overlap `sync` (the exchange in flight applied, the progress since it began sent),
+        then that exchange finished and applied at once, θ ← θ_outer, θ_start ← θ, nothing pending."""
+        self.sync(step)
+        if self.settings.overlap:
+            self.finish(step)
+            self.apply()
+            self._set_params(lambda state, param: local(state.params))
+            for param in self.params:
+                self.states[param].pending.fill_(PENDING_NONE)
+
     def start(self, step: int) -> None:
         """x = (θ_start − θ) + e over the params; the double-averaging check; the exchange of x begins."""
         if not self.settings.overlap:
             self.settings.replicate.begin_round()   # torchft: the round's quorum (shardopt/torchft/axis.py)
         x = torch.cat([self._pseudo_gradient(param).reshape(-1).float() for param in self.params])
         x = self.settings.replicate.contribution(x)   # torchft: zeros while this replica heals
-        self.settings.checks.check_double_averaging(x, step)
+        self.settings.checks.check_double_averaging([x], step, in_round=True)
         seed = mix_seed(self.settings.seed, int(self.states[self.params[0]].rounds) * self.settings.fragments
                         + self.index)   # the vote's coins of this round of this fragment, equal on every replica
         self.flight = Flight(self.format.exchange(x, self.settings.replicate, seed), x, self.params)

@@ -14,7 +14,13 @@ outer step:
 
 A non-finite x on any replica (the flag rides in the exchange) discards the round on every replica:
 θ ← θ_outer, nothing else changes, a warning is logged. LocalSteps itself is the facade: the torch.optim
-surface (surface.py), the per-param outer state (state.py), the fragments' schedule, the checkpoints.
+surface (surface.py), the per-param outer state (state.py), the fragments' schedule, the checkpoints;
+`sync_now()` ends a run between two syncs with bitwise-equal replicas (finish.py).
+
+Memory beyond the inner optimizer, per param element (s = state_dtype's size): θ_outer s, b s
+(outer_momentum > 0), e s (lossy formats), with overlap θ_start, the pending Δ̄ and e: 3 s more.
+Per sync: a flat fp32 x and the format's decoded copies of the syncing fragment, O(model / F).
+Each sync reads one flag back to the host (one device sync).
 """
 
 from __future__ import annotations
@@ -22,11 +28,10 @@ from __future__ import annotations
 import torch
 
 from ..layout.placement import local
-from ..optim.guard import replicas_equal
 from ..wire.comm import Axes
 from ..wire.replicas import replicate_axis
 from ..wire.seeds import mix_seed
-from . import traffic
+from . import finish, traffic
 from .checks import SyncChecks, check_local_steps, check_model, inner_axes
 from .formats import outer_format
 from .fragment import EVERY_PARAM, Fragment, OuterSGD, Ownership, SyncSettings, split_fragments, sync_offset
@@ -62,15 +67,11 @@ class LocalSteps(OptimizerAround):
         param's) or "cpu" (offload; the sync copies through the host).
     seed: the vote's tie coins (equal on every replica). model: optional, the wrapped nn.Module, checked
         for a DistributedDataParallel whose group reaches across the replicas.
-    double_averaging_check: at the first sync with a nonzero Δ, raise shardopt.DoubleAveragingError
-        when every replica's Δ is bitwise equal (someone averaged the gradients over the replicas, or
-        all read the same batches): 24 bytes once.
+    double_averaging_check: before the first inner step with a nonzero gradient, raise
+        shardopt.DoubleAveragingError when every replica's gradients are bitwise equal (someone averaged
+        them over the replicas, or all read the same batches): 24 bytes once (checks.SyncChecks).
     ownership: the params this rank syncs (fragment.Ownership): all of them, or DeepSpeed ZeRO 1/2's own.
 
-    Memory beyond the inner optimizer, per param element (s = state_dtype's size): θ_outer s, b s
-    (outer_momentum > 0), e s (lossy formats), with overlap θ_start, the pending Δ̄ and e: 3 s more.
-    Per sync: a flat fp32 x and the format's decoded copies of the syncing fragment, O(model / F).
-    Each sync reads one flag back to the host (one device sync).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, *, replicate_mesh, sync_every: int, outer_lr: float = 0.7,
@@ -138,10 +139,13 @@ class LocalSteps(OptimizerAround):
     # ---- step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """One inner step; then the syncs of the fragments due at this step (module docstring)."""
+        """The double-averaging check (before anything changes, SyncChecks), one inner step, then the syncs of
+        the fragments due at this step (module docstring). A closure runs here, once, before both."""
+        loss = None if closure is None else torch.enable_grad()(closure)()
+        self.checks.check_gradients(self.params(), self.steps + 1)
         self._init_state()
         with torch.enable_grad():
-            loss = self.inner.step(closure)
+            self.inner.step()
         self._count_step()
         return loss
 
@@ -161,9 +165,15 @@ class LocalSteps(OptimizerAround):
             if self.steps % self.sync_every == sync_offset(fragment.index, self.fragments, self.sync_every):
                 self._sync(fragment)
 
-    def _sync(self, fragment: Fragment) -> None:
+    def sync_now(self) -> list[int]:
+        """Sync, off the schedule, every fragment with inner progress since its last sync on some replica (the
+        end of training, before saving the final model; finish.py): afterwards the replicas' params are bitwise
+        equal. Every rank calls it at the same step. Returns the indices of the fragments synced."""
+        return finish.sync_pending(self)
+
+    def _sync(self, fragment: Fragment, settle: bool = False) -> None:
         if fragment.params:
-            fragment.sync(self.steps)
+            fragment.settle(self.steps) if settle else fragment.sync(self.steps)
         elif self.ownership.axes:   # owning none of the fragment, still in its owners' discard agreement
             self.checks.discard(torch.zeros((), device=local(self.params()[0]).device), 0, self.steps)
         self.ownership.after_sync()
@@ -223,14 +233,8 @@ class LocalSteps(OptimizerAround):
                 for part in self._partition()]
 
     def describe(self, replicas: int | None = None) -> str:
-        numel = sum(local(param).numel() for part in self._partition() for param in part)
-        return traffic.describe(self, self.replicate.size if replicas is None else replicas, numel)
+        return traffic.describe(self, self.replicate.size if replicas is None else replicas)
 
-    @torch.no_grad()
     def replicas_consistent(self) -> bool:
-        """True when what the contract makes bitwise equal on every replica is: the params right after a
-        sync without overlap; θ_outer with overlap (one hash per tensor, one all-gather)."""
-        if self.overlap:
-            return replicas_equal([local(self.state[p].params) for p in self.params() if self.state.get(p)],
-                                  self.replicate)
-        return replicas_equal([local(p) for p in self.params()], self.replicate)
+        """True when the params (θ_outer with overlap) are bitwise equal on every replica (finish.py)."""
+        return finish.replicas_consistent(self)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from ..layout.placement import local
 from ..optim.schedule import complete
-from ..optim.traffic import allreduce_bytes
+from ..optim.traffic import allreduce_bytes, double_averaging_check_bytes
 from ..wire.comm import Axes, Axis, CountingAxis
 from .formats import OuterFormat
 
@@ -30,20 +31,24 @@ def sync_bytes(fmt: OuterFormat, numel: int, replicate: CountingAxis) -> int:
     return replicate.bytes_sent - sent
 
 
-def describe(local_steps, replicas: int, numel: int) -> str:
+def describe(local_steps, replicas: int) -> str:
     """A LocalSteps' settings, its replicate-axis bytes per round and per step against an fp32 all-reduce
-    every step of the `numel` local entries it syncs (the DDP baseline), and its inner optimizer's own
-    description."""
+    every step of the local entries it syncs (the DDP baseline), what ending a run between two syncs costs
+    (sync_now: at most one round, finish.py), and its inner optimizer's own description."""
+    numel = sum(local(param).numel() for part in local_steps._partition() for param in part)
     total = sum(local_steps.sync_bytes(replicas))
     ddp = allreduce_bytes(numel, torch.float32, replicas)
     H = local_steps.sync_every
     ratio = f", {ddp * H / total:.0f}× fewer than an fp32 all-reduce every step" if total else ""
+    check = double_averaging_check_bytes(replicas) if local_steps.double_averaging_check else 0
+    check = f" (step 1: + {check} B, the double-averaging check)" if check else ""
     lines = [f"LocalSteps: sync every {H} steps, exchange {local_steps.format.name!r}, outer lr "
              f"{local_steps.outer_lr:g}, momentum {local_steps.outer_momentum:g}"
              f"{' Nesterov' if local_steps.nesterov else ''}, {local_steps.fragments} fragment(s)"
              f"{', overlapped' if local_steps.overlap else ''}",
              f"  replicate axis ({replicas} replicas): {total:,} B per round of {H} steps "
-             f"({total / H:,.0f} B/step){ratio}; inner steps send 0 B"]
+             f"({total / H:,.0f} B/step){ratio}; inner steps send 0 B{check}; ending between two syncs "
+             f"(sync_now) sends at most one round + {allreduce_bytes(local_steps.fragments, torch.float32, replicas)} B"]
     if hasattr(local_steps.inner, "describe"):
         lines.append("inner optimizer (its replicate axis unused):\n" + local_steps.inner.describe())
     return "\n".join(lines)

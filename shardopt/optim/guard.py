@@ -43,7 +43,8 @@ def replicas_equal(tensors: list[torch.Tensor], axis: Axis) -> bool:
 
 
 def check_not_double_averaged(grads: list[torch.Tensor], replicate: Axis, other_axes: list[Axis],
-                              device: torch.device, step: int) -> bool:
+                              device: torch.device, step: int,
+                              switch_off: str = "double_averaging_check_every=0") -> bool:
     """Raise DoubleAveragingError, on every rank alike, when every replica's local `grads` are
     bitwise identical and not all zero; return whether there was evidence either way (False: zero
     or no gradients on every rank).
@@ -54,7 +55,8 @@ def check_not_double_averaged(grads: list[torch.Tensor], replicate: Axis, other_
     replicate group's verdict (different; identical and nonzero) is all-reduced (max, 2 uint8) over
     `other_axes` (a shard axis: each shard's replicas compare their own shards), and all ranks raise
     iff no group saw different gradients and some group saw identical nonzero ones. Bytes:
-    `traffic.double_averaging_check_bytes`; one device sync (reading the verdict)."""
+    `traffic.double_averaging_check_bytes`; one device sync (reading the verdict). Callers run it before
+    their step changes anything; `switch_off`: the optimizer's argument that turns the check off."""
     summary = torch.zeros(3, dtype=torch.int64, device=device)
     if grads:
         summary[0] = bit_hash(torch.stack([bit_hash(g) for g in grads])) & (2**62 - 1)
@@ -81,5 +83,5 @@ def check_not_double_averaged(grads: list[torch.Tensor], replicate: Axis, other_
             f"replicate_mesh=mesh['replicate'] (fully_shard on the 2-D mesh all-reduces over the replicate axis "
             f"unless model.set_requires_all_reduce(False)); DeepSpeed: engine.enable_backward_allreduce = False "
             f"(shardopt.deepspeed.initialize does it). No optimizer state was changed. If every replica "
-            f"legitimately gets the same gradients, pass double_averaging_check_every=0 to turn this check off.")
+            f"legitimately gets the same gradients, pass {switch_off} to turn this check off.")
     return bool(different or identical_nonzero)

@@ -70,7 +70,7 @@ from ..frameworks.gradscaler import agreed_to_step
 from ..wire.comm import Axes, Axis
 from ..wire.replicas import replicate_axis
 from .guard import replicas_equal
-from .replicas import synchronize
+from .checkpoint_momenta import synchronize
 from ..layout.placement import derive_meshes, local, tensor_split
 from .plan import Plans
 from .steps import run_in_place
@@ -270,7 +270,7 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def synchronize_for_checkpoint(self, exchange: str = "mean") -> None:
-        """Decoupled momenta ← a value all replicas agree on, via `exchange` ("mean": exact fp32; replicas.py)."""
+        """Decoupled momenta ← a value all replicas agree on, via `exchange` ("mean": exact fp32; checkpoint_momenta.py)."""
         synchronize(self, exchange)
 
     @torch.no_grad()

@@ -14,7 +14,7 @@ process groups of their own (`bucket_step_axes`), counted in with the axis they 
 The step's other collectives have their formulas beside the code that issues them: once per step
 the non-finite check, AR(4); at step 1 and every N = `double_averaging_check_every` steps after,
 the double-averaging check, AR(24) (3 int64), and AR(2) on each other agreement axis; per checkpoint the
-agreement on the decoupled momenta (replicas.checkpoint_bytes, `checkpoint_cost`). AR(x) =
+agreement on the decoupled momenta (checkpoint_momenta.checkpoint_bytes, `checkpoint_cost`). AR(x) =
 2·x·(M−1)/M (comm.collective_bytes).
 """
 
@@ -27,7 +27,7 @@ from ..wire.comm import Axes, Axis, CountingAxis, collective_bytes
 from ..algorithms.hyperparams import state_dtype
 from ..layout.placement import derive_meshes, local
 from .plan import group_steps, plan_group
-from .replicas import CHECKPOINT_EXCHANGE, checkpoint_bytes, checkpoint_exchange
+from .checkpoint_momenta import CHECKPOINT_EXCHANGE, checkpoint_bytes, checkpoint_exchange, resolve
 from ..algorithms.registry import algorithm
 from .schedule import pipeline
 
@@ -124,11 +124,12 @@ def describe_optimizer(optimizer, replicas: int | None = None) -> str:
 
 
 def checkpoint_cost(groups: list[dict], replicas: int, exchange: str) -> str:
-    """What a checkpoint costs on the replicate axis (replicas.py), said after the whole model's bytes ("" with
+    """What a checkpoint costs on the replicate axis (checkpoint_momenta.py), said after the whole model's bytes ("" with
     nothing to agree on)."""
     agreed, exact = (checkpoint_bytes(groups, replicas, name) for name in (exchange, "mean"))
+    named = f"{resolve(exchange, replicas)!r}{' (auto)' if exchange == 'auto' else ''}"
     return f"; a checkpoint: +{agreed:,} B on the replicate axis per save, the decoupled momenta agreed through " \
-           f"{exchange!r} ({exact:,} B with \"mean\": docs/design.md §6)" if exact else ""
+           f"{named} ({exact:,} B with \"mean\": docs/design.md §6)" if exact else ""
 
 
 def describe(groups: list[dict], replicas: int, bucket_bytes: int | None = None, clipping: bool = False,

@@ -72,6 +72,7 @@ class ManagerAxis(Axis):
         self.reset_stats()
 
     contributors = property(lambda self: self._contributors)
+    needs_round = True
 
     def private(self) -> "ManagerAxis":
         raise ValueError("a torchft replicate axis cannot run the exchange during backward; build the optimizer "

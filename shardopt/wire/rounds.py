@@ -33,6 +33,7 @@ class HealCounters(Protocol):
 class Rounds:
     """The round protocol of a fixed axis: every method a no-op (module docstring)."""
 
+    needs_round = False   # whether a collective needs begin_round first (torchft: outside a round no quorum)
     contributors = property(lambda self: self.size, doc="replicas whose input a mean averages (torchft: this round's)")
 
     def attach(self, owner, per_step: bool) -> None:
