@@ -50,11 +50,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import math
 from pathlib import Path
 
 import campaign
 import runs
+import shardopt
 from shardopt.localsteps.formats import EXCHANGES
 
 FIELDS = ["method", "inner", "H", "replicas", "exchange", "outer_lr", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
@@ -90,11 +92,19 @@ class Config:
 
 
 def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: float = 0.6,
-                 block: int | None = None) -> Config:
-    args = ("--optimizer", inner, "--local-steps", str(H), "--outer-exchange", exchange,
+                 block: int | None = None, outer_lr: float = OUTER_LR) -> Config:
+    args = ("--optimizer", inner, "--local-steps", str(H), "--outer-exchange", exchange, "--outer-lr", f"{outer_lr:g}",
             "--outer-momentum", f"{outer_momentum:g}", *(("--outer-block", str(block)) if block else ()))
     method = runs.Method(name, runs.FSDP_TRAIN, args, INNER_LR[inner], runs.ADAMW_SCALAR_LR)
-    return Config(method, inner, H, exchange + (f", block {block}" if block else ""), outer_momentum, OUTER_LR)
+    return Config(method, inner, H, exchange + (f", block {block}" if block else ""), outer_momentum, outer_lr)
+
+
+def local_defaults(H: int) -> Config:
+    """local_defaults: LocalSteps(Muon, sync_every=H) with every other option at its default, as its signature
+    gives it (passed explicitly, so train.py's defaults.json cannot differ from it)."""
+    default = {name: p.default for name, p in inspect.signature(shardopt.LocalSteps).parameters.items()}
+    return local_config("local_defaults", "muon", H, default["exchange"], default["outer_momentum"],
+                        default["block"], default["outer_lr"])
 
 
 def streaming_variant(config: Config, overlap: bool, fragments: int) -> Config:
@@ -130,17 +140,19 @@ def replicas_variant(config: Config, replicas: int) -> Config:
     return dataclasses.replace(config, method=method, replicas=replicas)
 
 
-def add_variant_arguments(parser) -> None:
-    """The options that turn the chosen local-steps configs into their variants (`variants`)."""
+def add_variant_arguments(parser, replicas: bool = True) -> None:
+    """The options that turn the chosen local-steps configs into their variants (`variants`); --replicas
+    where `replicas` (sizes.py's mesh is fixed)."""
     parser.add_argument("--outer-lrs", nargs="+", type=float, default=None,
                         help="run each chosen local-steps config at each outer lr (with --outer-momenta)")
     parser.add_argument("--outer-momenta", nargs="+", type=float, default=None, help="(see --outer-lrs)")
     parser.add_argument("--outer-overlap", action="store_true",
                         help="the chosen local-steps configs with the exchange one round late (…_overlap)")
     parser.add_argument("--fragments", type=int, default=1, help="the chosen configs synced in F fragments (…_fF)")
-    parser.add_argument("--replicas", type=int, choices=(2, 4), default=REPLICAS,
-                        help=f"nodes (replicas) of {RANKS} / replicas ranks each for the chosen local-steps configs "
-                             f"(…_M4); {REPLICAS}: the benchmark's mesh")
+    if replicas:
+        parser.add_argument("--replicas", type=int, choices=(2, 4), default=REPLICAS,
+                            help=f"nodes (replicas) of {RANKS} / replicas ranks each for the chosen local-steps "
+                                 f"configs (…_M4); {REPLICAS}: the benchmark's mesh")
 
 
 def variants(chosen: list[Config], args) -> list[Config]:
@@ -151,17 +163,17 @@ def variants(chosen: list[Config], args) -> list[Config]:
                   for m in args.outer_momenta or [0.6]]
     if args.outer_overlap or args.fragments > 1:
         chosen = [streaming_variant(c, args.outer_overlap, args.fragments) for c in chosen]
-    return [replicas_variant(c, args.replicas) for c in chosen]
+    return [replicas_variant(c, getattr(args, "replicas", REPLICAS)) for c in chosen]
 
 
-def configs(n_embd: int) -> list[Config]:
-    """Every config of the benchmark: the per-step peers, DiLoCo, MuLoCo-style, then LocalSteps with
-    Sign-Muon, Dion and Muon inside for each outer exchange and H ∈ {10, 30, 100}."""
+def configs(n_embd: int, horizons: tuple[int, ...] = (10, 30, 100)) -> list[Config]:
+    """Every config of the benchmark: the per-step peers, local_defaults at H 30, then DiLoCo, MuLoCo-style and
+    LocalSteps with Sign-Muon, Dion and Muon inside for each outer exchange and H in `horizons`."""
     per_step = {m.name: m for m in runs.methods(n_embd)}
     found = [Config(per_step["ddp_adamw"], "adamw", 0, "mean (fp32 gradients)"),
              Config(per_step["ddp_muon"], "muon", 0, "mean (fp32 gradients)"),
-             Config(per_step["signmuon_lion"], "signmuon", 0, "vote (1 bit, every step)")]
-    for H in (10, 30, 100):
+             Config(per_step["signmuon_lion"], "signmuon", 0, "vote (1 bit, every step)"), local_defaults(30)]
+    for H in horizons:
         found += [local_config(f"diloco_m{m:g}_H{H}", "adamw", H, "mean", m) for m in (0.9, 0.6)]
         found.append(local_config(f"muloco_H{H}", "muon", H, "int4"))
         found += [local_config(f"local_{inner}_H{H}_{exchange}", inner, H, exchange)
