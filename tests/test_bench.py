@@ -407,6 +407,17 @@ def test_local_defaults_passes_localsteps_signature_defaults_but_sync_every():
     assert (config.H, config.outer_lr, config.outer_momentum) == (30, default["outer_lr"], default["outer_momentum"])
 
 
+def test_topk_at_sign_mean_b128s_density_sends_its_bytes_within_a_percent():
+    from shardopt.localsteps.formats import outer_format
+    from shardopt.localsteps.traffic import sync_bytes
+    from shardopt.wire.comm import CountingAxis
+    numel, density = 1_320_064, localsteps.topk_density_at(localsteps.SIGN_MEAN_B128_BITS)
+    sent = {name: sync_bytes(outer_format(name, **options), numel, CountingAxis("replicate", 4))
+            for name, options in (("sign_mean", {"block": 128}), ("topk", {"density": density}))}
+    assert abs(sent["topk"] / sent["sign_mean"] - 1) < 0.01, sent
+    assert localsteps.topk_density_at(localsteps.SIGN_MEAN_B128_BITS, block=128) != density   # (the block counts)
+
+
 def test_sizes_takes_every_horizon_and_the_outer_variants_on_its_fixed_four_replicas(monkeypatch, tmp_path):
     import sizes
     seen = []

@@ -57,7 +57,7 @@ from pathlib import Path
 import campaign
 import runs
 import shardopt
-from shardopt.localsteps.formats import EXCHANGES
+from shardopt.localsteps.formats import DEFAULT_BLOCK, EXCHANGES
 
 FIELDS = ["method", "inner", "H", "replicas", "exchange", "outer_lr", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
           "final_val_loss", "replicate_bytes_total", "link_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",
@@ -92,11 +92,24 @@ class Config:
 
 
 def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: float = 0.6,
-                 block: int | None = None, outer_lr: float = OUTER_LR) -> Config:
+                 block: int | None = None, outer_lr: float = OUTER_LR, density: float | None = None) -> Config:
     args = ("--optimizer", inner, "--local-steps", str(H), "--outer-exchange", exchange, "--outer-lr", f"{outer_lr:g}",
-            "--outer-momentum", f"{outer_momentum:g}", *(("--outer-block", str(block)) if block else ()))
+            "--outer-momentum", f"{outer_momentum:g}", *(("--outer-block", str(block)) if block else ()),
+            *(("--outer-density", f"{density:g}") if density else ()))
     method = runs.Method(name, runs.FSDP_TRAIN, args, INNER_LR[inner], runs.ADAMW_SCALAR_LR)
-    return Config(method, inner, H, exchange + (f", block {block}" if block else ""), outer_momentum, outer_lr)
+    label = exchange + (f", block {block}" if block else "") + (f", density {density:g}" if density else "")
+    return Config(method, inner, H, label, outer_momentum, outer_lr)
+
+
+def topk_density_at(bits_per_entry: float, block: int = DEFAULT_BLOCK) -> float:
+    """The "topk" density whose payload per entry is `bits_per_entry` (formats.py's table): per chunk of `block`
+    entries k picks of 2 + ⌈log2 block⌉ bits and one fp32 scale, so k = (bits_per_entry·block − 32) /
+    (2 + ⌈log2 block⌉), density = k / block (rounded to 3 decimals). Both topk and sign_mean all-gather, so
+    equal bits per entry are equal bytes; the counted bytes (replicate_bytes_total) check it."""
+    return round((bits_per_entry * block - 32) / (2 + math.ceil(math.log2(block))) / block, 3)
+
+
+SIGN_MEAN_B128_BITS = 1 + 32 / 128      # sign_mean, block 128: a sign bit per entry and an fp32 scale per 128
 
 
 def local_defaults(H: int) -> Config:
@@ -168,7 +181,8 @@ def variants(chosen: list[Config], args) -> list[Config]:
 
 def configs(n_embd: int, horizons: tuple[int, ...] = (10, 30, 100)) -> list[Config]:
     """Every config of the benchmark: the per-step peers, local_defaults at H 30, then DiLoCo, MuLoCo-style and
-    LocalSteps with Sign-Muon, Dion and Muon inside for each outer exchange and H in `horizons`."""
+    LocalSteps with Sign-Muon, Dion and Muon inside for each outer exchange and H in `horizons` (and Muon with
+    topk at sign_mean block 128's bytes: …_topk_as_sign_mean_b128)."""
     per_step = {m.name: m for m in runs.methods(n_embd)}
     found = [Config(per_step["ddp_adamw"], "adamw", 0, "mean (fp32 gradients)"),
              Config(per_step["ddp_muon"], "muon", 0, "mean (fp32 gradients)"),
@@ -181,6 +195,8 @@ def configs(n_embd: int, horizons: tuple[int, ...] = (10, 30, 100)) -> list[Conf
                   if not (inner == "muon" and exchange == "int4")]        # (that one is muloco_H<H>)
         found += [local_config(f"local_{inner}_H{H}_{exchange}_b128", inner, H, exchange, block=128)
                   for inner in ("signmuon", "dion", "muon") for exchange in ("sign_mean", "sign_vote", "lowrank")]
+        found.append(local_config(f"local_muon_H{H}_topk_as_sign_mean_b128", "muon", H, "topk",
+                                  density=topk_density_at(SIGN_MEAN_B128_BITS)))     # equal bytes (issue 42)
     return found
 
 
