@@ -20,13 +20,15 @@ runs it again); a finished run folder of the same arguments and code is read bac
                         bytes_per_token_vs_ddp_fp32 (link bytes / ddp_adamw's at the same size and steps, its
                         best lr) and x_fewer_bytes (its inverse; blank without that row), compute_s (the run's
                         own step times, measured while the machine was shared)
-    results/sizes.png   val loss against link bytes per token, a panel per size and steps (no --configs: only redraw it)
+    results/sizes.png   per size and steps: val loss against link bytes per token, and against H (no
+                        --configs: only redraw it)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 import campaign
@@ -93,26 +95,53 @@ def run_one(finals: campaign.Campaign, config: localsteps.Config, size: str, lr:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Val loss against link bytes per token (/ DDP fp32's), one panel per size and steps, each method at its best
-    lr and seed a marker (squares: every step), ddp_adamw's loss a line."""
-    from integrations.plot import colour, panels, save   # matplotlib (the train extra): only to draw
+    """Per size and steps (a column): above, val loss against link bytes per token (/ DDP fp32's), each method at
+    its best lr and seed a marker (squares: every step), ddp_adamw's loss a line; below, val loss against H, a
+    line per local-steps family (the method's name with H left out), the per-step references as lines."""
+    from integrations.plot import panels, save   # matplotlib (the train extra): only to draw
     cases = list(dict.fromkeys((r["size"], int(r["steps"])) for r in rows if r["bytes_per_token_vs_ddp_fp32"]))
     if not cases:
         return
-    figure, axes = panels(1, len(cases), figsize=(6 * len(cases), 5), squeeze=False)
-    for axis, (size, steps) in zip(axes[0], cases):
-        best = localsteps.best_rows([r for r in rows if (r["size"], int(r["steps"])) == (size, steps)
-                                     and r["bytes_per_token_vs_ddp_fp32"]])
-        for index, row in enumerate(sorted(best, key=lambda r: r["method"])):
-            if row["method"] == localsteps.BASELINE:
-                axis.axhline(float(row["final_val_loss"]), color="black", linestyle="--", label=row["method"])
-                continue
-            axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), float(row["final_val_loss"]),
-                         marker="s" if row["H"] == "0" else "o", color=colour(index), label=row["method"])
-        axis.set(xscale="log", xlabel="link bytes per token / DDP fp32's", ylabel="final val loss",
-                 title=f"{size} ({int(best[0]['params']) / 1e6:.2f} M params), {steps} steps")
-        axis.legend(fontsize=6, loc="upper right")
+    figure, axes = panels(2, len(cases), figsize=(6 * len(cases), 10), squeeze=False)
+    for column, (size, steps) in enumerate(cases):
+        best = sorted(localsteps.best_rows([r for r in rows if (r["size"], int(r["steps"])) == (size, steps)
+                                            and r["bytes_per_token_vs_ddp_fp32"]]), key=lambda r: r["method"])
+        title = f"{size} ({int(best[0]['params']) / 1e6:.2f} M params), {steps} steps"
+        draw_bytes(axes[0, column], best, title)
+        draw_horizons(axes[1, column], best, title)
     save(figure, path)
+
+
+def draw_bytes(axis, best: list[dict], title: str) -> None:
+    """Val loss against link bytes per token, a marker per method, ddp_adamw a dashed line."""
+    from integrations.plot import colour
+    for index, row in enumerate(best):
+        if row["method"] == localsteps.BASELINE:
+            axis.axhline(float(row["final_val_loss"]), color="black", linestyle="--", label=row["method"])
+            continue
+        axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), float(row["final_val_loss"]),
+                     marker="s" if row["H"] == "0" else "o", color=colour(index), label=row["method"])
+    axis.set(xscale="log", xlabel="link bytes per token / DDP fp32's", ylabel="final val loss", title=title)
+    axis.legend(fontsize=6, loc="upper right")
+
+
+def draw_horizons(axis, best: list[dict], title: str) -> None:
+    """Val loss against H: a line (or a lone marker) per family of local-steps methods that differ only in H
+    (local_muon_H*_sign_mean_b128_olr0.7_m0), the per-step methods as horizontal lines."""
+    from integrations.plot import colour
+    families: dict[str, list[dict]] = {}
+    for row in best:
+        if row["H"] == "0":
+            axis.axhline(float(row["final_val_loss"]), linestyle="--" if row["method"] == localsteps.BASELINE else ":",
+                         color="black" if row["method"] == localsteps.BASELINE else "grey", label=row["method"])
+        else:
+            families.setdefault(re.sub(r"_H\d+", "_H*", row["method"]), []).append(row)
+    for index, (family, members) in enumerate(families.items()):
+        members.sort(key=lambda r: int(r["H"]))
+        axis.plot([int(r["H"]) for r in members], [float(r["final_val_loss"]) for r in members], marker="o",
+                  color=colour(index + 10), label=family)
+    axis.set(xscale="log", xlabel="H (inner steps between syncs)", ylabel="final val loss", title=title)
+    axis.legend(fontsize=6, loc="upper left")
 
 
 def main() -> None:
