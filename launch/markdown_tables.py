@@ -2,6 +2,8 @@
 the columns), the README's summary tables and docs/trainers.md's byte tables. launch/results_table.py
 puts them into those documents and docs/results.md."""
 
+from integrations.results import horizon_family
+
 INF = float("inf")
 
 
@@ -191,6 +193,29 @@ def sizes_gap_table(rows: list[dict], fewest_x: float = 1000.0) -> str:
             lines.append(f"| {size} ({int(r['params']) / 1e6:.2f} M) | {steps} ({int(r['tokens']) / int(r['params']):.2f}) "
                          f"| {label} | {r['method']} (lr {r['lr']}) | {float(r['final_val_loss']):.3f} ({len(losses)}: "
                          f"{min(losses):.3f}–{max(losses):.3f}) | {x} | {gaps[0]} | {gaps[1]} |")
+    return "\n".join(lines)
+
+def sizes_horizon_table(rows: list[dict]) -> str:
+    """results/sizes.csv's curve against H: per size, steps and family of local-steps methods that differ only in
+    H (the name with H left out: local_muon_H*_sign_mean_b128_olr0.7_m0) and lr, the final val loss and x fewer
+    link bytes at each H; ddp_adamw's and ddp_muon's best at the same size and steps beside it."""
+    lines = ["| size | steps | family (lr) | final val loss (x fewer link bytes) at each H | ddp_adamw | ddp_muon |",
+             "|---|---:|---|---|---:|---:|"]
+    for size, steps in dict.fromkeys((r["size"], int(r["steps"])) for r in rows):
+        mine = [r for r in rows if (r["size"], int(r["steps"])) == (size, steps)]
+        references = [min((float(r["final_val_loss"]) for r in mine if r["method"] == name), default=None)
+                      for name in ("ddp_adamw", "ddp_muon")]
+        families: dict[tuple, list[dict]] = {}
+        for r in mine:
+            if r["H"] != "0":
+                families.setdefault((horizon_family(r["method"]), r["lr"]), []).append(r)
+        for (family, lr), members in families.items():
+            if len({r["H"] for r in members}) < 2:
+                continue
+            cells = ", ".join(f"H {r['H']}: {float(r['final_val_loss']):.3f} "
+                              f"({float(r['x_fewer_bytes'] or 'nan'):,.0f}×)" for r in sorted(members, key=lambda r: int(r["H"])))
+            lines.append(f"| {size} | {steps} | {family} ({lr}) | {cells} | "
+                         + " | ".join("–" if v is None else f"{v:.3f}" for v in references) + " |")
     return "\n".join(lines)
 
 def trainer_bytes_table(rows: list[dict], framework: str) -> str:

@@ -49,6 +49,18 @@ def test_sizes_gap_table_gives_each_size_its_references_best_local_row_and_gaps_
     assert cells[4][0] == "M (1.00 M)" and cells[4][7] == "–"          # M has no ddp_muon row
 
 
+def test_sizes_horizon_table_lines_up_each_family_by_h_at_one_lr_beside_the_references():
+    def row(method, H, loss, lr="0.02"):
+        return {"size": "S", "method": method, "H": H, "lr": lr, "steps": "400", "final_val_loss": loss,
+                "x_fewer_bytes": "1.0" if H == "0" else str(12.8 * int(H))}
+    rows = [row("ddp_adamw", "0", "4.46", "0.003"), row("local_x_H30_e_m0", "30", "4.62"),
+            row("local_x_H5_e_m0", "5", "4.41"), row("local_x_H10_e_m0", "10", "4.46"),
+            row("local_x_H10_e_m0", "10", "4.50", "0.01"), row("muloco_H30", "30", "4.9")]
+    lines = markdown_tables.sizes_horizon_table(rows).splitlines()[2:]
+    assert lines == ["| S | 400 | local_x_H*_e_m0 (0.02) | H 5: 4.410 (64×), H 10: 4.460 (128×), H 30: 4.620 (384×) "
+                     "| 4.460 | – |"]      # one H at lr 0.01, one muloco row: no curve
+
+
 def test_slowlink_table_divides_by_ddp_adamw_at_the_same_rate_and_shows_wire_over_counted():
     rows = [_row("ddp_adamw", "inf", "20.0"), _row("fast", "inf", "10.0", step_ms="150.0"),
             _row("ddp_adamw", "10", "900.0", wire="1010"), _row("fast", "10", "12.0", wire="1100"),

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from pathlib import Path
 
 import campaign
 import localsteps
 import runs
 from integrations.model import SIZES, GPTConfig, parameter_count
+from integrations.results import horizon_family
 
 FIELDS = ["size", "params", "method", "inner", "exchange", "H", "replicas", "outer_lr", "outer_momentum", "lr",
           "scalar_lr", "seed", "steps", "tokens", "final_val_loss", "replicate_bytes_total", "link_bytes_total",
@@ -135,7 +135,7 @@ def draw_horizons(axis, best: list[dict], title: str) -> None:
             axis.axhline(float(row["final_val_loss"]), linestyle="--" if row["method"] == localsteps.BASELINE else ":",
                          color="black" if row["method"] == localsteps.BASELINE else "grey", label=row["method"])
         else:
-            families.setdefault(re.sub(r"_H\d+", "_H*", row["method"]), []).append(row)
+            families.setdefault(horizon_family(row["method"]), []).append(row)
     for index, (family, members) in enumerate(families.items()):
         members.sort(key=lambda r: int(r["H"]))
         axis.plot([int(r["H"]) for r in members], [float(r["final_val_loss"]) for r in members], marker="o",
