@@ -262,9 +262,10 @@ def plain_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """A CSV's full table, drawn by the function that fits its columns."""
+    """A CSV's full table, drawn by the function that fits its columns (a grid of one model and horizon only:
+    sizes.csv's rows of several sizes and step counts are shown column for column)."""
     render = training_table if rows and {"optimizer", "final_val_loss"} <= set(rows[0]) else \
         comm_table if rows and "vs_ddp_fp32" in rows[0] else \
         slowlink_table if rows and "time_to_target_s" in rows[0] else \
-        grid_table if rows and {"method", "lr", "seed"} <= set(rows[0]) else plain_table
+        grid_table if rows and {"method", "lr", "seed"} <= set(rows[0]) and "size" not in rows[0] else plain_table
     return render(rows)

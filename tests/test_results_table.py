@@ -49,6 +49,15 @@ def test_sizes_gap_table_gives_each_size_its_references_best_local_row_and_gaps_
     assert cells[4][0] == "M (1.00 M)" and cells[4][7] == "–"          # M has no ddp_muon row
 
 
+def test_a_csv_of_several_sizes_is_shown_row_for_row_not_as_one_lr_grid():
+    rows = [{"size": size, "method": "ddp_adamw", "lr": lr, "seed": "0", "steps": "200", "final_val_loss": loss}
+            for size, lr, loss in (("S", "0.003", "4.7"), ("M", "0.00075", "4.6"))]
+    lines = markdown_tables.table(rows).splitlines()
+    assert lines[0].startswith("| size | method | lr |") and len(lines) == 4
+    assert markdown_tables.table([{k: v for k, v in r.items() if k != "size"} for r in rows]).startswith(
+        "| method | final_val_loss at each lr")      # (one model: the grid)
+
+
 def test_sizes_horizon_table_lines_up_each_family_by_h_at_one_lr_beside_the_references():
     def row(method, H, loss, lr="0.02"):
         return {"size": "S", "method": method, "H": H, "lr": lr, "steps": "400", "final_val_loss": loss,
