@@ -176,6 +176,10 @@ SOURCES = {
                    "python launch/bench/sizes.py --sizes S --steps 400 --configs local_muon_H5_sign_mean_b128 "
                    "local_muon_H10_sign_mean_b128 local_muon_H30_sign_mean_b128 --outer-lrs 0.7 1 --outer-momenta 0",
                    "python launch/bench/sizes.py --sizes S --steps 400 --configs ddp_adamw --lr-factors 0.5 1",
+                   "python launch/bench/sizes.py --sizes S --steps 400 --configs local_muon_H5_mean "
+                   "local_muon_H30_topk_as_sign_mean_b128 --outer-lrs 0.7 --outer-momenta 0",
+                   "python launch/bench/sizes.py --sizes S --steps 400 --configs local_muon_H30_sign_mean_b128 "
+                   "--outer-lrs 0.7 --outer-momenta 0 --lr-factors 0.5",
                    "python launch/bench/sizes.py --sizes S M --steps 200 --configs ddp_muon local_defaults",
                    "python launch/bench/sizes.py --sizes S M --steps 200 --configs local_muon_H30_sign_vote_b128 "
                    "--outer-lrs 0.7 --outer-momenta 0",
@@ -183,7 +187,7 @@ SOURCES = {
                    "   # (each resumes: rows already there are kept; the figure: results/sizes.png)"),
                   "Issue 42's campaign, begun: the benchmark GPT at sizes S, M, L (integrations/model.SIZES), 4 "
                   "replicas × 1 rank, one seed a row; x_fewer_bytes against ddp_adamw of the same size and steps "
-                  "(its best lr). Not every row of these grids ran (S 400: H 5 and 10 at outer 0.7 only; S 200: "
+                  "(its best lr). Not every row of these grids ran (S 400: H 5 at outer lr 0.7 only; S 200: "
                   "ddp_adamw at 0.5 and 1). The summary by size, with the gaps: docs/benchmarks.md \"Model sizes\"."),
     "step_time.csv": ("python launch/bench/step_time.py",
                       "Optimizer step time and state memory per matrix (one GPT-2-small layer's four shapes and "
