@@ -5,6 +5,7 @@ launch/bench/, launch/results_table.py and integrations/plot.py."""
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import torch
@@ -34,6 +35,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
     """A training run's metrics.csv (integrations/training.Metrics: one row per logged step)."""
     return read_csv(Path(run_dir) / "metrics.csv")
 
+
+def horizon_family(method: str) -> str:
+    """A local-steps method's name with its H left out (local_muon_H30_sign_mean_b128_olr0.7_m0 →
+    local_muon_H*_sign_mean_b128_olr0.7_m0): the rows of one family differ only in H."""
+    return re.sub(r"_H\d+", "_H*", method)
 
 def device_name(device: torch.device) -> str:
     """The `device` column of a benchmark row: the GPU's name, or "cpu (N threads)"."""

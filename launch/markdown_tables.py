@@ -2,6 +2,8 @@
 the columns), the README's summary tables and docs/trainers.md's byte tables. launch/results_table.py
 puts them into those documents and docs/results.md."""
 
+from integrations.results import horizon_family
+
 INF = float("inf")
 
 
@@ -164,6 +166,58 @@ def localsteps_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sizes_gap_table(rows: list[dict], fewest_x: float = 1000.0) -> str:
+    """results/sizes.csv's summary: per size and steps, the per-step references (ddp_adamw, ddp_muon,
+    signmuon_lion), local_defaults, the best LocalSteps row (lowest final val loss over every local-steps config,
+    lr and seed) and the best of those at ≥ `fewest_x` × fewer link bytes per token than DDP fp32; each with its
+    gap (final val loss − the reference's best) to ddp_adamw and ddp_muon, and the spread over its runs."""
+    lines = ["| size (params) | steps (tokens/param) | row | method | final val loss (runs: spread) | x fewer link "
+             "bytes | gap to ddp_adamw | gap to ddp_muon |", "|---|---:|---|---|---:|---:|---:|---:|"]
+    for size, steps in dict.fromkeys((r["size"], int(r["steps"])) for r in rows):
+        mine = [r for r in rows if (r["size"], int(r["steps"])) == (size, steps)]
+
+        def best(chosen: list[dict]) -> dict | None:
+            return min(chosen, key=lambda r: float(r["final_val_loss"])) if chosen else None
+        local = [r for r in mine if r["H"] != "0" and r["x_fewer_bytes"]]
+        picks = {name: best([r for r in mine if r["method"] == name])
+                 for name in ("ddp_adamw", "ddp_muon", "signmuon_lion", "local_defaults")}
+        picks["best local steps"] = best(local)
+        picks[f"best at ≥ {fewest_x:,.0f}×"] = best([r for r in local if float(r["x_fewer_bytes"]) >= fewest_x])
+        for label, r in picks.items():
+            if r is None:
+                continue
+            losses = [float(o["final_val_loss"]) for o in mine if o["method"] == r["method"]]
+            gaps = [f"{float(r['final_val_loss']) - float(ref['final_val_loss']):+.3f}" if ref else "–"
+                    for ref in (picks["ddp_adamw"], picks["ddp_muon"])]
+            x = f"{float(r['x_fewer_bytes']):,.0f}×" if r["x_fewer_bytes"] else "–"
+            lines.append(f"| {size} ({int(r['params']) / 1e6:.2f} M) | {steps} ({int(r['tokens']) / int(r['params']):.2f}) "
+                         f"| {label} | {r['method']} (lr {r['lr']}) | {float(r['final_val_loss']):.3f} ({len(losses)}: "
+                         f"{min(losses):.3f}–{max(losses):.3f}) | {x} | {gaps[0]} | {gaps[1]} |")
+    return "\n".join(lines)
+
+def sizes_horizon_table(rows: list[dict]) -> str:
+    """results/sizes.csv's curve against H: per size, steps and family of local-steps methods that differ only in
+    H (the name with H left out: local_muon_H*_sign_mean_b128_olr0.7_m0) and lr, the final val loss and x fewer
+    link bytes at each H; ddp_adamw's and ddp_muon's best at the same size and steps beside it."""
+    lines = ["| size | steps | family (lr) | final val loss (x fewer link bytes) at each H | ddp_adamw | ddp_muon |",
+             "|---|---:|---|---|---:|---:|"]
+    for size, steps in dict.fromkeys((r["size"], int(r["steps"])) for r in rows):
+        mine = [r for r in rows if (r["size"], int(r["steps"])) == (size, steps)]
+        references = [min((float(r["final_val_loss"]) for r in mine if r["method"] == name), default=None)
+                      for name in ("ddp_adamw", "ddp_muon")]
+        families: dict[tuple, list[dict]] = {}
+        for r in mine:
+            if r["H"] != "0":
+                families.setdefault((horizon_family(r["method"]), r["lr"]), []).append(r)
+        for (family, lr), members in families.items():
+            if len({r["H"] for r in members}) < 2:
+                continue
+            cells = ", ".join(f"H {r['H']}: {float(r['final_val_loss']):.3f} "
+                              f"({float(r['x_fewer_bytes'] or 'nan'):,.0f}×)" for r in sorted(members, key=lambda r: int(r["H"])))
+            lines.append(f"| {size} | {steps} | {family} ({lr}) | {cells} | "
+                         + " | ".join("–" if v is None else f"{v:.3f}" for v in references) + " |")
+    return "\n".join(lines)
+
 def trainer_bytes_table(rows: list[dict], framework: str) -> str:
     """docs/trainers.md's table of `framework`'s rows of results/trainers.csv (launch/bench/trainer_bytes.py)."""
     lines = ["| layout | params | replicate B/step | vs an fp32 all-reduce | step 1 | step after the save |",
@@ -208,9 +262,10 @@ def plain_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """A CSV's full table, drawn by the function that fits its columns."""
+    """A CSV's full table, drawn by the function that fits its columns (a grid of one model and horizon only:
+    sizes.csv's rows of several sizes and step counts are shown column for column)."""
     render = training_table if rows and {"optimizer", "final_val_loss"} <= set(rows[0]) else \
         comm_table if rows and "vs_ddp_fp32" in rows[0] else \
         slowlink_table if rows and "time_to_target_s" in rows[0] else \
-        grid_table if rows and {"method", "lr", "seed"} <= set(rows[0]) else plain_table
+        grid_table if rows and {"method", "lr", "seed"} <= set(rows[0]) and "size" not in rows[0] else plain_table
     return render(rows)

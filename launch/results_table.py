@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torchft_table
 from integrations.results import read_csv
-from markdown_tables import (headline_table, localsteps_summary, slowlink_summary, table, trainer_bytes_table,
-                             training_table)
+from markdown_tables import (headline_table, localsteps_summary, sizes_gap_table, sizes_horizon_table,
+                             slowlink_summary, table, trainer_bytes_table, training_table)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,11 +183,24 @@ SOURCES = {
                                   "total: the tensors held (a walk of the engine, wrapper and optimizer; largest over 3 "
                                   "moments); step_peak: the optimizer step's RSS high-water mark above what was held "
                                   "before it (shardopt's bucket_bytes 1 MiB); device_peak: the allocator's peak, CUDA only."),
-    "sizes.csv": ("python launch/bench/sizes.py --sizes S M --configs ddp_adamw local_muon_H30_sign_mean_b128 "
-                  "muloco_H30 local_muon_H30_topk --steps 200   # (resumes: rows already there are kept)",
+    "sizes.csv": (("python launch/bench/sizes.py --sizes S --steps 200 --configs ddp_adamw "
+                   "local_muon_H30_sign_mean_b128 muloco_H30 local_muon_H30_topk",
+                   "python launch/bench/sizes.py --sizes S --steps 400 --configs local_muon_H5_sign_mean_b128 "
+                   "local_muon_H10_sign_mean_b128 local_muon_H30_sign_mean_b128 --outer-lrs 0.7 1 --outer-momenta 0",
+                   "python launch/bench/sizes.py --sizes S --steps 400 --configs ddp_adamw --lr-factors 0.5 1",
+                   "python launch/bench/sizes.py --sizes S --steps 400 --configs local_muon_H5_mean "
+                   "local_muon_H30_topk_as_sign_mean_b128 --outer-lrs 0.7 --outer-momenta 0",
+                   "python launch/bench/sizes.py --sizes S --steps 400 --configs local_muon_H30_sign_mean_b128 "
+                   "--outer-lrs 0.7 --outer-momenta 0 --lr-factors 0.5",
+                   "python launch/bench/sizes.py --sizes S M --steps 200 --configs ddp_muon local_defaults",
+                   "python launch/bench/sizes.py --sizes S M --steps 200 --configs local_muon_H30_sign_vote_b128 "
+                   "--outer-lrs 0.7 --outer-momenta 0",
+                   "python launch/bench/sizes.py --sizes S M --steps 200 --configs ddp_adamw --lr-factors 0.25 0.5 1"
+                   "   # (each resumes: rows already there are kept; the figure: results/sizes.png)"),
                   "Issue 42's campaign, begun: the benchmark GPT at sizes S, M, L (integrations/model.SIZES), 4 "
-                  "replicas × 1 rank, one seed and one lr a row so far; x_fewer_bytes against ddp_adamw of the same "
-                  "size and steps. Only size S has rows yet."),
+                  "replicas × 1 rank, one seed a row; x_fewer_bytes against ddp_adamw of the same size and steps "
+                  "(its best lr). Not every row of these grids ran (S 400: H 5 at outer lr 0.7 only; S 200: "
+                  "ddp_adamw at 0.5 and 1). The summary by size, with the gaps: docs/benchmarks.md \"Model sizes\"."),
     "step_time.csv": ("python launch/bench/step_time.py",
                       "Optimizer step time and state memory per matrix (one GPT-2-small layer's four shapes and "
                       "2048²), all optimizers in one interleaved run, as ratios to fp32 Muon on the same matrix (CPU "
@@ -227,7 +240,7 @@ def results_document(paths: list[Path]) -> str:
 
 
 README_BLOCKS = {"headline": headline_table, "demo": training_table, "slowlink": slowlink_summary,
-                 "localsteps": localsteps_summary,
+                 "localsteps": localsteps_summary, "sizes": sizes_gap_table, "sizes_horizons": sizes_horizon_table,
                  "lightning_bytes": lambda rows: trainer_bytes_table(rows, "lightning"),
                  "torchtitan_bytes": lambda rows: trainer_bytes_table(rows, "torchtitan"), "torchft": torchft_table.markdown}
 # other documents with <!-- NAME:begin (results/X.csv) --> blocks, redrawn with the README

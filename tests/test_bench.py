@@ -1,6 +1,7 @@
 """The benchmark harness's pure pieces (launch/bench/): byte counting of torch's DDP hooks on 2 gloo
 processes, time-to-target, CSV schemas, rate parsing, best-lr choice, the matrix-shaped conv."""
 
+import inspect
 import math
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import campaign  # noqa: E402
 import convergence  # noqa: E402
 import localsteps  # noqa: E402
 import runs  # noqa: E402
+import shardopt  # noqa: E402
 import slowlink  # noqa: E402
 import step_split  # noqa: E402
 from shardopt.wire.comm import collective_bytes  # noqa: E402
@@ -393,6 +395,39 @@ def test_every_fashion_mnist_method_keeps_replicas_equal_and_sends_its_bytes(poo
     assert sent["dion_1/4"] > sent["dion_1/16"] > sent["signmuon"] > 0 and sent["signsgd"] > 0
     assert sent["localsgd"] == 0
     assert 0.5 < sent["powersgd_rank16"] / sent["dion_1/4"] < 2        # the matched rank: comparable bytes
+
+
+def test_local_defaults_passes_localsteps_signature_defaults_but_sync_every():
+    default = {n: p.default for n, p in inspect.signature(shardopt.LocalSteps).parameters.items()}
+    config = next(c for c in localsteps.configs(128) if c.method.name == "local_defaults")
+    args = dict(zip(config.method.args[::2], config.method.args[1::2]))
+    assert args == {"--optimizer": "muon", "--local-steps": "30", "--outer-exchange": default["exchange"],
+                    "--outer-lr": f"{default['outer_lr']:g}", "--outer-momentum": f"{default['outer_momentum']:g}",
+                    "--outer-block": str(default["block"])}
+    assert (config.H, config.outer_lr, config.outer_momentum) == (30, default["outer_lr"], default["outer_momentum"])
+
+
+def test_topk_at_sign_mean_b128s_density_sends_its_bytes_within_a_percent():
+    from shardopt.localsteps.formats import outer_format
+    from shardopt.localsteps.traffic import sync_bytes
+    from shardopt.wire.comm import CountingAxis
+    numel, density = 1_320_064, localsteps.topk_density_at(localsteps.SIGN_MEAN_B128_BITS)
+    sent = {name: sync_bytes(outer_format(name, **options), numel, CountingAxis("replicate", 4))
+            for name, options in (("sign_mean", {"block": 128}), ("topk", {"density": density}))}
+    assert abs(sent["topk"] / sent["sign_mean"] - 1) < 0.01, sent
+    assert localsteps.topk_density_at(localsteps.SIGN_MEAN_B128_BITS, block=128) != density   # (the block counts)
+
+
+def test_sizes_takes_every_horizon_and_the_outer_variants_on_its_fixed_four_replicas(monkeypatch, tmp_path):
+    import sizes
+    seen = []
+    monkeypatch.setattr(sizes, "run_one", lambda finals, config, size, lr, seed, args: seen.append(
+        (size, config.method.name, config.replicas, config.method.args[-4:])))
+    monkeypatch.setattr(sys, "argv", ["sizes.py", "--sizes", "S", "--configs", "local_muon_H5_sign_mean_b128",
+                                      "--outer-lrs", "0.7", "1", "--outer-momenta", "0", "--csv", str(tmp_path / "x.csv")])
+    sizes.main()
+    assert seen == [("S", f"local_muon_H5_sign_mean_b128_olr{lr}_m0", 4, ("--outer-lr", lr, "--outer-momentum", "0"))
+                    for lr in ("0.7", "1")]
 
 
 def test_overlap_variant_labels_and_passes_the_option_and_refuses_ddp_and_local_methods():

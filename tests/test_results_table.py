@@ -32,6 +32,44 @@ def test_localsteps_summary_shows_the_peers_the_bests_and_the_most_compressed_at
     assert markdown_tables.localsteps_summary(rows + [other_mesh]) == markdown_tables.localsteps_summary(rows)
 
 
+def test_sizes_gap_table_gives_each_size_its_references_best_local_row_and_gaps_with_the_spread():
+    def row(size, method, H, loss, fewer, lr="0.02"):
+        return {"size": size, "params": "1000000", "method": method, "H": H, "lr": lr, "steps": "400",
+                "tokens": "2000000", "final_val_loss": loss, "x_fewer_bytes": fewer}
+    rows = [row("S", "ddp_adamw", "0", "4.50", "1.0", "0.003"), row("S", "ddp_adamw", "0", "4.40", "1.0", "0.0015"),
+            row("S", "ddp_muon", "0", "4.30", "1.0"), row("S", "local_a_H10", "10", "4.45", "400.0"),
+            row("S", "local_b_H30", "30", "4.60", "1200.0"), row("S", "local_b_H30", "30", "4.70", "1200.0", "0.01"),
+            row("M", "ddp_adamw", "0", "4.0", "1.0")]
+    lines = markdown_tables.sizes_gap_table(rows).splitlines()[2:]
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines]
+    assert [c[2] for c in cells] == ["ddp_adamw", "ddp_muon", "best local steps", "best at ≥ 1,000×", "ddp_adamw"]
+    assert cells[0][3:5] == ["ddp_adamw (lr 0.0015)", "4.400 (2: 4.400–4.500)"] and cells[0][1] == "400 (2.00)"
+    assert cells[2][3] == "local_a_H10 (lr 0.02)" and cells[2][6:] == ["+0.050", "+0.150"]
+    assert cells[3][4:] == ["4.600 (2: 4.600–4.700)", "1,200×", "+0.200", "+0.300"]
+    assert cells[4][0] == "M (1.00 M)" and cells[4][7] == "–"          # M has no ddp_muon row
+
+
+def test_a_csv_of_several_sizes_is_shown_row_for_row_not_as_one_lr_grid():
+    rows = [{"size": size, "method": "ddp_adamw", "lr": lr, "seed": "0", "steps": "200", "final_val_loss": loss}
+            for size, lr, loss in (("S", "0.003", "4.7"), ("M", "0.00075", "4.6"))]
+    lines = markdown_tables.table(rows).splitlines()
+    assert lines[0].startswith("| size | method | lr |") and len(lines) == 4
+    assert markdown_tables.table([{k: v for k, v in r.items() if k != "size"} for r in rows]).startswith(
+        "| method | final_val_loss at each lr")      # (one model: the grid)
+
+
+def test_sizes_horizon_table_lines_up_each_family_by_h_at_one_lr_beside_the_references():
+    def row(method, H, loss, lr="0.02"):
+        return {"size": "S", "method": method, "H": H, "lr": lr, "steps": "400", "final_val_loss": loss,
+                "x_fewer_bytes": "1.0" if H == "0" else str(12.8 * int(H))}
+    rows = [row("ddp_adamw", "0", "4.46", "0.003"), row("local_x_H30_e_m0", "30", "4.62"),
+            row("local_x_H5_e_m0", "5", "4.41"), row("local_x_H10_e_m0", "10", "4.46"),
+            row("local_x_H10_e_m0", "10", "4.50", "0.01"), row("muloco_H30", "30", "4.9")]
+    lines = markdown_tables.sizes_horizon_table(rows).splitlines()[2:]
+    assert lines == ["| S | 400 | local_x_H*_e_m0 (0.02) | H 5: 4.410 (64×), H 10: 4.460 (128×), H 30: 4.620 (384×) "
+                     "| 4.460 | – |"]      # one H at lr 0.01, one muloco row: no curve
+
+
 def test_slowlink_table_divides_by_ddp_adamw_at_the_same_rate_and_shows_wire_over_counted():
     rows = [_row("ddp_adamw", "inf", "20.0"), _row("fast", "inf", "10.0", step_ms="150.0"),
             _row("ddp_adamw", "10", "900.0", wire="1010"), _row("fast", "10", "12.0", wire="1100"),

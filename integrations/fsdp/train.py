@@ -133,6 +133,8 @@ parser.add_argument("--outer-rank-fraction", type=float, help="local steps, --ou
                     "min(m, n) of each matrix's pseudo-gradient")
 parser.add_argument("--outer-block", type=int, help="local steps: entries per scale of the int8, int4, sign_vote and "
                     "sign_mean exchanges")
+parser.add_argument("--outer-density", type=float, help="local steps, --outer-exchange topk: the fraction of each "
+                    "chunk of --outer-block entries sent")
 fault_tolerant.add_arguments(parser)
 args = training.parse_args(parser, training.GPT_DEFAULTS, Path(__file__).with_name("defaults.json"))
 fault_tolerant.check(args, parser)
@@ -211,7 +213,8 @@ if args.local_steps:
     opt = shardopt.LocalSteps(opt, replicate_mesh=replicate_mesh, sync_every=args.local_steps,
                               outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                               exchange=args.outer_exchange, overlap=args.outer_overlap, fragments=args.fragments,
-                              rank_fraction=args.outer_rank_fraction, block=args.outer_block, seed=args.seed)
+                              rank_fraction=args.outer_rank_fraction, block=args.outer_block,
+                              density=args.outer_density, seed=args.seed)
 log(opt.describe())
 # the scheduler's epoch counts the steps taken; step s (from 1) runs at base lr × lr_multiplier(s)
 scheduler = torch.optim.lr_scheduler.LambdaLR(

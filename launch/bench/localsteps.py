@@ -50,12 +50,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import math
 from pathlib import Path
 
 import campaign
 import runs
-from shardopt.localsteps.formats import EXCHANGES
+import shardopt
+from shardopt.localsteps.formats import DEFAULT_BLOCK, EXCHANGES
 
 FIELDS = ["method", "inner", "H", "replicas", "exchange", "outer_lr", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
           "final_val_loss", "replicate_bytes_total", "link_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",
@@ -90,11 +92,32 @@ class Config:
 
 
 def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: float = 0.6,
-                 block: int | None = None) -> Config:
-    args = ("--optimizer", inner, "--local-steps", str(H), "--outer-exchange", exchange,
-            "--outer-momentum", f"{outer_momentum:g}", *(("--outer-block", str(block)) if block else ()))
+                 block: int | None = None, outer_lr: float = OUTER_LR, density: float | None = None) -> Config:
+    args = ("--optimizer", inner, "--local-steps", str(H), "--outer-exchange", exchange, "--outer-lr", f"{outer_lr:g}",
+            "--outer-momentum", f"{outer_momentum:g}", *(("--outer-block", str(block)) if block else ()),
+            *(("--outer-density", f"{density:g}") if density else ()))
     method = runs.Method(name, runs.FSDP_TRAIN, args, INNER_LR[inner], runs.ADAMW_SCALAR_LR)
-    return Config(method, inner, H, exchange + (f", block {block}" if block else ""), outer_momentum, OUTER_LR)
+    label = exchange + (f", block {block}" if block else "") + (f", density {density:g}" if density else "")
+    return Config(method, inner, H, label, outer_momentum, outer_lr)
+
+
+def topk_density_at(bits_per_entry: float, block: int = DEFAULT_BLOCK) -> float:
+    """The "topk" density whose payload per entry is `bits_per_entry` (formats.py's table): per chunk of `block`
+    entries k picks of 2 + ⌈log2 block⌉ bits and one fp32 scale, so k = (bits_per_entry·block − 32) /
+    (2 + ⌈log2 block⌉), density = k / block (rounded to 3 decimals). Both topk and sign_mean all-gather, so
+    equal bits per entry are equal bytes; the counted bytes (replicate_bytes_total) check it."""
+    return round((bits_per_entry * block - 32) / (2 + math.ceil(math.log2(block))) / block, 3)
+
+
+SIGN_MEAN_B128_BITS = 1 + 32 / 128      # sign_mean, block 128: a sign bit per entry and an fp32 scale per 128
+
+
+def local_defaults(H: int) -> Config:
+    """local_defaults: LocalSteps(Muon, sync_every=H) with every other option at its default, as its signature
+    gives it (passed explicitly, so train.py's defaults.json cannot differ from it)."""
+    default = {name: p.default for name, p in inspect.signature(shardopt.LocalSteps).parameters.items()}
+    return local_config("local_defaults", "muon", H, default["exchange"], default["outer_momentum"],
+                        default["block"], default["outer_lr"])
 
 
 def streaming_variant(config: Config, overlap: bool, fragments: int) -> Config:
@@ -130,17 +153,19 @@ def replicas_variant(config: Config, replicas: int) -> Config:
     return dataclasses.replace(config, method=method, replicas=replicas)
 
 
-def add_variant_arguments(parser) -> None:
-    """The options that turn the chosen local-steps configs into their variants (`variants`)."""
+def add_variant_arguments(parser, replicas: bool = True) -> None:
+    """The options that turn the chosen local-steps configs into their variants (`variants`); --replicas
+    where `replicas` (sizes.py's mesh is fixed)."""
     parser.add_argument("--outer-lrs", nargs="+", type=float, default=None,
                         help="run each chosen local-steps config at each outer lr (with --outer-momenta)")
     parser.add_argument("--outer-momenta", nargs="+", type=float, default=None, help="(see --outer-lrs)")
     parser.add_argument("--outer-overlap", action="store_true",
                         help="the chosen local-steps configs with the exchange one round late (…_overlap)")
     parser.add_argument("--fragments", type=int, default=1, help="the chosen configs synced in F fragments (…_fF)")
-    parser.add_argument("--replicas", type=int, choices=(2, 4), default=REPLICAS,
-                        help=f"nodes (replicas) of {RANKS} / replicas ranks each for the chosen local-steps configs "
-                             f"(…_M4); {REPLICAS}: the benchmark's mesh")
+    if replicas:
+        parser.add_argument("--replicas", type=int, choices=(2, 4), default=REPLICAS,
+                            help=f"nodes (replicas) of {RANKS} / replicas ranks each for the chosen local-steps "
+                                 f"configs (…_M4); {REPLICAS}: the benchmark's mesh")
 
 
 def variants(chosen: list[Config], args) -> list[Config]:
@@ -151,17 +176,18 @@ def variants(chosen: list[Config], args) -> list[Config]:
                   for m in args.outer_momenta or [0.6]]
     if args.outer_overlap or args.fragments > 1:
         chosen = [streaming_variant(c, args.outer_overlap, args.fragments) for c in chosen]
-    return [replicas_variant(c, args.replicas) for c in chosen]
+    return [replicas_variant(c, getattr(args, "replicas", REPLICAS)) for c in chosen]
 
 
-def configs(n_embd: int) -> list[Config]:
-    """Every config of the benchmark: the per-step peers, DiLoCo, MuLoCo-style, then LocalSteps with
-    Sign-Muon, Dion and Muon inside for each outer exchange and H ∈ {10, 30, 100}."""
+def configs(n_embd: int, horizons: tuple[int, ...] = (10, 30, 100)) -> list[Config]:
+    """Every config of the benchmark: the per-step peers, local_defaults at H 30, then DiLoCo, MuLoCo-style and
+    LocalSteps with Sign-Muon, Dion and Muon inside for each outer exchange and H in `horizons` (and Muon with
+    topk at sign_mean block 128's bytes: …_topk_as_sign_mean_b128)."""
     per_step = {m.name: m for m in runs.methods(n_embd)}
     found = [Config(per_step["ddp_adamw"], "adamw", 0, "mean (fp32 gradients)"),
              Config(per_step["ddp_muon"], "muon", 0, "mean (fp32 gradients)"),
-             Config(per_step["signmuon_lion"], "signmuon", 0, "vote (1 bit, every step)")]
-    for H in (10, 30, 100):
+             Config(per_step["signmuon_lion"], "signmuon", 0, "vote (1 bit, every step)"), local_defaults(30)]
+    for H in horizons:
         found += [local_config(f"diloco_m{m:g}_H{H}", "adamw", H, "mean", m) for m in (0.9, 0.6)]
         found.append(local_config(f"muloco_H{H}", "muon", H, "int4"))
         found += [local_config(f"local_{inner}_H{H}_{exchange}", inner, H, exchange)
@@ -169,6 +195,8 @@ def configs(n_embd: int) -> list[Config]:
                   if not (inner == "muon" and exchange == "int4")]        # (that one is muloco_H<H>)
         found += [local_config(f"local_{inner}_H{H}_{exchange}_b128", inner, H, exchange, block=128)
                   for inner in ("signmuon", "dion", "muon") for exchange in ("sign_mean", "sign_vote", "lowrank")]
+        found.append(local_config(f"local_muon_H{H}_topk_as_sign_mean_b128", "muon", H, "topk",
+                                  density=topk_density_at(SIGN_MEAN_B128_BITS)))     # equal bytes (issue 42)
     return found
 
 

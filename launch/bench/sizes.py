@@ -5,8 +5,13 @@ integrations/model.SIZES (S: width 128, 4 layers, today's; M: width 256; L: widt
     python launch/bench/sizes.py --sizes S M --configs ddp_adamw local_muon_H30_sign_mean_b128 muloco_H30 \\
         local_muon_H30_topk --steps 200                        # the first campaign → results/sizes.csv
 
-A config is one of localsteps.configs() (muloco_H30: Muon inside, int4 outside); each runs at its own lr
-× --lr-factors. Resume: a row already in the CSV (same size, method, lr, seed, steps) is not rerun (--rerun
+A config is one of localsteps.configs() with H ∈ {5, 10, 30, 100} (muloco_H30: Muon inside, int4 outside;
+local_defaults: LocalSteps' defaults but sync_every 30); each runs at its own lr × --lr-factors, and at each
+--outer-lrs × --outer-momenta (…_olr1_m0, as in localsteps.py).
+
+    python launch/bench/sizes.py --sizes S --steps 400 --configs local_muon_H5_sign_mean_b128 \
+        local_muon_H10_sign_mean_b128 local_muon_H30_sign_mean_b128 --outer-lrs 0.7 --outer-momenta 0
+                                                               # the curve of val loss against H Resume: a row already in the CSV (same size, method, lr, seed, steps) is not rerun (--rerun
 runs it again); a finished run folder of the same arguments and code is read back (campaign.py).
 
     results/sizes.csv   size, params, method, inner, exchange, H, replicas, outer_lr, outer_momentum, lr,
@@ -15,6 +20,8 @@ runs it again); a finished run folder of the same arguments and code is read bac
                         bytes_per_token_vs_ddp_fp32 (link bytes / ddp_adamw's at the same size and steps, its
                         best lr) and x_fewer_bytes (its inverse; blank without that row), compute_s (the run's
                         own step times, measured while the machine was shared)
+    results/sizes.png   per size and steps: val loss against link bytes per token, and against H (no
+                        --configs: only redraw it)
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import campaign
 import localsteps
 import runs
 from integrations.model import SIZES, GPTConfig, parameter_count
+from integrations.results import horizon_family
 
 FIELDS = ["size", "params", "method", "inner", "exchange", "H", "replicas", "outer_lr", "outer_momentum", "lr",
           "scalar_lr", "seed", "steps", "tokens", "final_val_loss", "replicate_bytes_total", "link_bytes_total",
@@ -34,6 +42,7 @@ FIELDS = ["size", "params", "method", "inner", "exchange", "H", "replicas", "out
 KEY = ("size", "method", "lr", "seed", "steps")
 REPLICAS = 4            # 4 nodes × 1 rank
 VOCAB = {"bpe": 4096, "byte": 256}
+HORIZONS = (5, 10, 30, 100)     # the H of the local-steps configs (localsteps.py's and 5, for the curve against H)
 
 
 def arrange(rows: list[dict]) -> list[dict]:
@@ -85,27 +94,80 @@ def run_one(finals: campaign.Campaign, config: localsteps.Config, size: str, lr:
                 "replicate_bytes_total": summary.replicate_bytes_total, "compute_s": f"{summary.curve[-1][1]:.1f}"})
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Per size and steps (a column): above, val loss against link bytes per token (/ DDP fp32's), each method at
+    its best lr and seed a marker (squares: every step), ddp_adamw's loss a line; below, val loss against H, a
+    line per local-steps family (the method's name with H left out), the per-step references as lines."""
+    from integrations.plot import panels, save   # matplotlib (the train extra): only to draw
+    cases = list(dict.fromkeys((r["size"], int(r["steps"])) for r in rows if r["bytes_per_token_vs_ddp_fp32"]))
+    if not cases:
+        return
+    figure, axes = panels(2, len(cases), figsize=(6 * len(cases), 10), squeeze=False)
+    for column, (size, steps) in enumerate(cases):
+        best = sorted(localsteps.best_rows([r for r in rows if (r["size"], int(r["steps"])) == (size, steps)
+                                            and r["bytes_per_token_vs_ddp_fp32"]]), key=lambda r: r["method"])
+        title = f"{size} ({int(best[0]['params']) / 1e6:.2f} M params), {steps} steps"
+        draw_bytes(axes[0, column], best, title)
+        draw_horizons(axes[1, column], best, title)
+    save(figure, path)
+
+
+def draw_bytes(axis, best: list[dict], title: str) -> None:
+    """Val loss against link bytes per token, a marker per method, ddp_adamw a dashed line."""
+    from integrations.plot import colour
+    for index, row in enumerate(best):
+        if row["method"] == localsteps.BASELINE:
+            axis.axhline(float(row["final_val_loss"]), color="black", linestyle="--", label=row["method"])
+            continue
+        axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), float(row["final_val_loss"]),
+                     marker="s" if row["H"] == "0" else "o", color=colour(index), label=row["method"])
+    axis.set(xscale="log", xlabel="link bytes per token / DDP fp32's", ylabel="final val loss", title=title)
+    axis.legend(fontsize=6, loc="upper right")
+
+
+def draw_horizons(axis, best: list[dict], title: str) -> None:
+    """Val loss against H: a line (or a lone marker) per family of local-steps methods that differ only in H
+    (local_muon_H*_sign_mean_b128_olr0.7_m0), the per-step methods as horizontal lines."""
+    from integrations.plot import colour
+    families: dict[str, list[dict]] = {}
+    for row in best:
+        if row["H"] == "0":
+            axis.axhline(float(row["final_val_loss"]), linestyle="--" if row["method"] == localsteps.BASELINE else ":",
+                         color="black" if row["method"] == localsteps.BASELINE else "grey", label=row["method"])
+        else:
+            families.setdefault(horizon_family(row["method"]), []).append(row)
+    for index, (family, members) in enumerate(families.items()):
+        members.sort(key=lambda r: int(r["H"]))
+        axis.plot([int(r["H"]) for r in members], [float(r["final_val_loss"]) for r in members], marker="o",
+                  color=colour(index + 10), label=family)
+    axis.set(xscale="log", xlabel="H (inner steps between syncs)", ylabel="final val loss", title=title)
+    axis.legend(fontsize=6, loc="upper left")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=list(SIZES))
-    parser.add_argument("--configs", nargs="+", required=True, help="localsteps.configs() names")
+    parser.add_argument("--configs", nargs="*", default=[], help="localsteps.configs() names (none: redraw the figure)")
     parser.add_argument("--lr-factors", nargs="+", type=float, default=[1.0], help="× each config's lr")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--rerun", action="store_true", help="run again the rows already in the CSV")
+    localsteps.add_variant_arguments(parser, replicas=False)
     runs.add_model_arguments(parser)
     parser.add_argument("--run-timeout", type=float, default=7200.0)
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS / "sizes")
     parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "sizes.csv")
     args = parser.parse_args()
-    every = {c.method.name: c for c in localsteps.configs(args.n_embd)}
+    every = {c.method.name: c for c in localsteps.configs(args.n_embd, HORIZONS)}
     unknown = [name for name in args.configs if name not in every]
     if unknown:
         raise SystemExit(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(every)}")
+    chosen = [dataclasses.replace(c, replicas=REPLICAS)
+              for c in localsteps.variants([every[name] for name in args.configs], args)]
     finals = campaign.Campaign(args.csv, FIELDS, KEY, arrange=arrange)
     done = {tuple(str(row[k]) for k in KEY) for row in finals.kept}
     for size in args.sizes:
-        for name in args.configs:
-            config = dataclasses.replace(every[name], replicas=REPLICAS)
+        for config in chosen:
+            name = config.method.name
             for lr in (config.method.lr * factor for factor in args.lr_factors):
                 for seed in args.seeds:
                     if not args.rerun and (size, name, f"{lr:g}", str(seed), str(args.steps)) in done:
@@ -113,7 +175,8 @@ def main() -> None:
                         continue
                     run_one(finals, config, size, lr, seed, args)
     campaign.print_table(finals.everything())
-    print(f"wrote {args.csv}")
+    plot(arrange(finals.everything()), args.csv.with_suffix(".png"))
+    print(f"wrote {args.csv} and {args.csv.with_suffix('.png').name}")
     finals.finish("--runs-dir")
 
 
