@@ -197,7 +197,9 @@ SOURCES = {
                    "--outer-lrs 0.7 --outer-momenta 0",
                    "python launch/bench/sizes.py --sizes S M --steps 200 --configs ddp_adamw --lr-factors 0.25 0.5 1",
                    "python launch/bench/sizes.py --sizes M --steps 200 --configs ddp_adamw --lr-factors 0.125",
-                   "python launch/bench/sizes.py --sizes L --steps 200 --configs ddp_adamw --lr-factors 0.25"
+                   "python launch/bench/sizes.py --sizes L --steps 200 --configs ddp_adamw --lr-factors 0.25",
+                   "python launch/bench/sizes.py --sizes L --steps 200 --configs local_muon_H10_sign_mean_b128 "
+                   "--outer-lrs 0.7 --outer-momenta 0"
                    "   # (each resumes: rows already there are kept; the figure: results/sizes.png)"),
                   "Issue 42's campaign, begun: the benchmark GPT at sizes S, M, L (integrations/model.SIZES), 4 "
                   "replicas × 1 rank, one seed a row; x_fewer_bytes against ddp_adamw of the same size and steps "
