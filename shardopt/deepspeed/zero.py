@@ -123,12 +123,21 @@ class ZeroPartition:
         if self.stage == 0 or (self.node.size == 1 and self.weights is None):
             return
         targets = self.weights if self.weights is not None else params
+        if self.stage < 3:     # stage 3: the others are gathered while their modules run (zero3.py)
+            self._all_gather_into(targets, params)
+        for i, param in enumerate(targets):
+            if self.owns(i) and param is not params[i]:
+                param.copy_(params[i])
+
+    def _all_gather_into(self, targets: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+        """targets' slots owned by the node's other ranks ← their owners' params (gather_weights' all-gather,
+        `window_bytes` of gathered rows at a time, in the widest dtype of targets)."""
         dtype = targets[0].dtype
         for param in targets:
             dtype = torch.promote_types(dtype, param.dtype)
         row_bytes = self.node.size * torch.empty((), dtype=dtype).element_size()
         window = self.chunk if self.window_bytes is None else max(1, self.window_bytes // row_bytes)
-        for start in range(0, self.chunk if self.stage < 3 else 0, window):   # stage 3: gathered in use (zero3.py)
+        for start in range(0, self.chunk, window):
             stop = min(self.chunk, start + window)
             piece = torch.zeros(stop - start, dtype=dtype, device=params[0].device)
             for i, lo, hi, first in self._pieces(self.node.rank, start, stop):
@@ -137,9 +146,6 @@ class ZeroPartition:
             for owner in range(self.node.size):
                 for i, lo, hi, first in self._pieces(owner, start, stop) if owner != self.node.rank else ():
                     targets[i].view(-1)[first:first + hi - lo].copy_(gathered[owner, lo - start:hi - start])
-        for i, param in enumerate(targets):
-            if self.owns(i) and param is not params[i]:
-                param.copy_(params[i])
 
     def _pieces(self, owner: int, start: int, stop: int):
         """(slot, lo, hi, first) for each slot of `owner` within [start, stop) of its chunk: chunk positions
