@@ -168,24 +168,20 @@ def release_weights(wiring, model_params: list[torch.Tensor]) -> WeightRelease:
         finally:
             release.release_all()
 
-    def save_gathered(*args, **kwargs):
-        with release.all_gathered():
-            return save(*args, **kwargs)
-
-    def load_gathered(*args, **kwargs):
-        with release.all_gathered():
-            return load(*args, **kwargs)
-
-    def save_16bit_gathered(*args, **kwargs):
-        with release.all_gathered():
-            return save_16bit(*args, **kwargs)
+    def gathered(original):
+        """`original` run with every weight gathered."""
+        def call(*args, **kwargs):
+            with release.all_gathered():
+                return original(*args, **kwargs)
+        return call
 
     def whole_state_dict(exclude_frozen_parameters=False):
         return release.whole_state_dict(engine.module, exclude_frozen_parameters)
 
-    for name, function, original in (("backward", backward_releasing, backward), ("save_checkpoint", save_gathered, save),
-                                     ("load_checkpoint", load_gathered, load),
-                                     ("save_16bit_model", save_16bit_gathered, save_16bit),
+    for name, function, original in (("backward", backward_releasing, backward),
+                                     ("save_checkpoint", gathered(save), save),
+                                     ("load_checkpoint", gathered(load), load),
+                                     ("save_16bit_model", gathered(save_16bit), save_16bit),
                                      ("_zero3_consolidated_16bit_state_dict", whole_state_dict,
                                       engine._zero3_consolidated_16bit_state_dict)):
         function.__doc__ = original.__doc__
