@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")   # the CPU op compile
 import shardopt.algorithms.dion as dion_module  # noqa: E402
 import shardopt.algorithms.polar as polar_module  # noqa: E402
 import shardopt.deepspeed as sds  # noqa: E402
+from shardopt.algorithms.lowrank import dion_rank  # noqa: E402
 from shardopt.optim.guard import replicas_equal  # noqa: E402
 from shardopt.wire.comm import Axis, split_world  # noqa: E402
 from test_deepspeed_zero import MESH, _config, _data, _env, _model, _save_and_resume, _steps  # noqa: E402
@@ -44,21 +45,33 @@ def pool():
     p.close()
 
 
+def _row_blocks(engine) -> list:
+    """This rank's row blocks of the weights split by rows over the node (Dion's matrices at stage 3; in the model's
+    dtype: in fp32 the optimizer's params themselves)."""
+    release = getattr(sds.shard_optimizer(engine).wiring, "release", None)
+    return list(release.blocks.values()) if release is not None else []
+
+
 def _held_bytes(engine) -> dict:
-    """What this rank holds: the model params' storage, the optimizer state and the fp32 master copies."""
+    """What this rank holds: the model params' storage and its row blocks of the weights, the optimizer state and
+    the fp32 master copies."""
     ours = sds.shard_optimizer(engine)
     masters = ours._slots() if engine.optimizer is not ours else []
-    return {"params": sum(p.untyped_storage().nbytes() for p in engine.module.parameters()),
+    return {"params": sum(p.untyped_storage().nbytes() for p in [*engine.module.parameters(), *_row_blocks(engine)]),
             "state": sum(v.numel() * v.element_size() for s in ours.state.values() for v in s.values()
                          if torch.is_tensor(v)),
             "masters": sum(p.untyped_storage().nbytes() for p in masters)}
 
 
 def _owned_param_bytes(engine) -> int:
-    """The bytes of the model params whose slot (the optimizer's param order) this rank owns."""
+    """The bytes of the model params whose slot (the optimizer's param order) this rank owns whole, and of its row
+    blocks of the others."""
     ours = sds.shard_optimizer(engine)
-    model_params = [low for low, _ in ours.wiring.masters] or ours._slots()
-    return sum(p.numel() * p.element_size() for slot, p in enumerate(model_params) if ours.zero.owns(slot))
+    model_params = ours.wiring.release.params if ours.zero.stage == 3 else \
+        [low for low, _ in ours.wiring.masters] or ours._slots()
+    return sum(p.numel() * p.element_size() for p in _row_blocks(engine)) + sum(
+        p.numel() * p.element_size() for slot, p in enumerate(model_params)
+        if ours.zero.owns(slot) and slot not in ours.zero.rows)
 
 
 def _matrices(X: torch.Tensor) -> int:
@@ -86,12 +99,30 @@ def _counting(counts: dict):
     return restore
 
 
-def _run(optimizer, stage, precision="fp32"):
+def _narrowing_model() -> torch.nn.Module:
+    """Matrices with fewer rows than columns (12×16, 9×12: uneven rows over 2 ranks, 8×9), which Dion works on
+    transposed whole (stage 2) as row-sharded (stage 3)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Tanh(), torch.nn.Linear(12, 9), torch.nn.Tanh(),
+                               torch.nn.Linear(9, 8))
+
+
+def _dominated_model() -> torch.nn.Module:
+    """One 96×96 matrix holds 80 % of the weights (whole on one owner, its rank would hold most of the model)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 96), torch.nn.Tanh(), torch.nn.Linear(96, 96), torch.nn.Tanh(),
+                               torch.nn.Linear(96, 8))
+
+
+MODELS = {"six": _model, "narrowing": _narrowing_model, "dominated": _dominated_model}
+
+
+def _run(optimizer, stage, precision="fp32", model="six"):
     config = _config(optimizer, stage, MESH, precision, vote="allreduce_int8" if optimizer == "SignMuon" else None,
                      nonmatrix_algorithm="lion" if precision == "bf16" else "adamw")
     if precision == "bf16":
         config["gradient_clipping"] = 0.5   # the agreed norm (ν over the replicas, the node's owned parts summed)
-    engine, *_ = sds.initialize(model=_model(), config=config)
+    engine, *_ = sds.initialize(model=MODELS[model](), config=config)
     ours = sds.shard_optimizer(engine)
     counts, per_step = {"newton_schulz": 0, "power_iteration": 0}, []
     restore = _counting(counts)
@@ -117,12 +148,16 @@ def _run(optimizer, stage, precision="fp32"):
             "matrix_directions": per_step, "engine_stage": engine.zero_optimization_stage()}
 
 
-def _stages(optimizer, precision):
+def _stages(optimizer, precision, model="six", stages=(0, 2, 3)):
     _env()
-    return {stage: _run(optimizer, stage, precision) for stage in (0, 2, 3)}
+    return {stage: _run(optimizer, stage, precision, model) for stage in stages}
 
 
-@pytest.mark.parametrize("optimizer,precision", [("Dion", "fp32"), ("SignMuon", "fp32"), ("SignMuon", "bf16")])
+def _stage_3_config(optimizer, precision="fp32"):
+    return _config(optimizer, 3, MESH, precision, vote="allreduce_int8" if optimizer == "SignMuon" else None)
+
+
+@pytest.mark.parametrize("optimizer,precision", [("SignMuon", "fp32"), ("SignMuon", "bf16")])
 def test_stage_3_is_stage_2_bitwise_with_the_weights_released(pool, optimizer, precision):
     """Stage 0 here is on the same mesh (the node averages its gradients, every rank keeps everything): the
     memory reference. Newton–Schulz (Sign-Muon) and the power iteration (Dion) are counted on every rank (the
@@ -153,10 +188,68 @@ def test_stage_3_is_stage_2_bitwise_with_the_weights_released(pool, optimizer, p
         assert per_step == [MATRICES] * STEPS, per_step  # once per matrix per step of 2 micro-batches
 
 
-def _checkpoint_resumes(directory, precision):
+def _node_sums(results, stage, key) -> list:
+    """`key` of the stage's run summed over each node's ranks (nodes (0, 1) and (2, 3))."""
+    return [results[first][stage][key] + results[first + 1][stage][key] for first in (0, 2)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_dion_at_stage_3_splits_every_matrix_by_rows_over_the_node(pool, precision):
+    """Dion's matrices row-sharded over the node's 2 ranks (the FSDP2 layout, the node as the shard axis): each rank
+    holds its rows of every weight, master and momentum, and Q's rows; every rank runs its part of one distributed
+    power iteration per matrix per step of 2 micro-batches (its rows of each matrix counted); the bytes across
+    nodes per node are stage 2's (a node sends (a + b)·r per matrix either way, split over its ranks here)."""
+    results = pool.run(_stages, "Dion", precision, timeout_s=TIMEOUT_S)
+    assert _node_sums(results, 3, "replicate_bytes") == _node_sums(results, 2, "replicate_bytes")
+    for rank, runs in enumerate(results):
+        three, zero = runs[3], runs[0]
+        held = {stage: sum(run["held"].values()) for stage, run in runs.items()}
+        print(f"rank {rank} Dion {precision}: held B stage0 {held[0]} stage2 {held[2]} stage3 {held[3]} "
+              f"({held[3] / held[0]:.2f}x stage 0); replicate B stage2 {runs[2]['replicate_bytes']} stage3 "
+              f"{three['replicate_bytes']}; node B stage2 {runs[2]['node_bytes']} stage3 {three['node_bytes']}; "
+              f"loss {three['losses'][0]:.4f} -> {three['losses'][-1]:.4f}; power iterations/step "
+              f"{three['matrix_directions']}")
+        assert three["engine_stage"] == 0 and three["identical"]
+        assert three["losses"][-1] < 0.9 * three["losses"][0]
+        assert held[3] <= 0.6 * held[0]
+        assert three["held"]["params"] == three["owned_param_bytes"]   # own rows and owned whole params only
+        assert three["matrix_directions"] == [MATRICES] * STEPS   # each rank: its rows of the 6 matrices, once
+        assert zero["identical"]
+
+
+def test_dion_at_stage_3_matches_stage_2_where_both_work_on_the_transpose(pool):
+    """Stage 2 runs Dion on whole matrices, stage 3 row-sharded as FSDP2 does, which works on B = Xᵀ (the shard
+    axis must split b); with fewer rows than columns stage 2 works on Xᵀ too, so the two are the same equations:
+    B·Q is summed over the row blocks (Σ_i B_i·Q_i) and the column norms over them, in another order than one
+    whole product, hence float tolerance, not bitwise. Uneven rows (9 over 2 ranks) included. Bytes across nodes:
+    stage 2's plus, per matrix, the padding of P's a = n rows to S equal pieces ((⌈n/S⌉·S − n)·r fp32 entries:
+    the 8×9 matrix, whose 9 columns do not split over 2 ranks)."""
+    results = pool.run(_stages, "Dion", "fp32", "narrowing", timeout_s=TIMEOUT_S)
+    padding = sum((-(-n // 2) * 2 - n) * dion_rank(m, n, 0.25, 1) * 4 for m, n in ((12, 16), (9, 12), (8, 9)))
+    assert padding == 8
+    assert _node_sums(results, 3, "replicate_bytes") == [two + STEPS * padding
+                                                         for two in _node_sums(results, 2, "replicate_bytes")]
+    for runs in results:
+        two, three = runs[2], runs[3]
+        torch.testing.assert_close(three["losses"], two["losses"], rtol=1e-5, atol=1e-6)
+        for a, b in zip(three["weights"], two["weights"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert three["identical"] and three["matrix_directions"] == [3] * STEPS
+
+
+def test_dion_at_stage_3_balances_one_dominant_matrix_over_the_node(pool):
+    """A model whose one matrix holds 80 % of the weights: whole on one owner (Sign-Muon at stage 3) its rank holds
+    more than 0.6× stage 0's params + state; split by rows (Dion), every rank holds about half."""
+    dion, signmuon = (pool.run(_stages, name, "fp32", "dominated", (0, 3), timeout_s=TIMEOUT_S) for name in ("Dion", "SignMuon"))
+    shares = {name: [sum(runs[3]["held"].values()) / sum(runs[0]["held"].values()) for runs in results]
+              for name, results in (("Dion", dion), ("SignMuon", signmuon))}
+    print(f"held at stage 3 / stage 0 per rank: {shares}")
+    assert max(shares["Dion"]) <= 0.6 and max(shares["SignMuon"]) > 0.6
+
+
+def _checkpoint_resumes(directory, precision, optimizer):
     _env()
-    saving, resumed, path = _save_and_resume(directory, _config("SignMuon", 3, MESH, precision=precision,
-                                                                vote="allreduce_int8"))
+    saving, resumed, path = _save_and_resume(directory, _stage_3_config(optimizer, precision))
     held = (_held_bytes(saving)["params"], _held_bytes(resumed)["params"], _owned_param_bytes(resumed))
     _steps(resumed, 3)
     with sds.gathered_weights(saving), sds.gathered_weights(resumed):
@@ -166,23 +259,24 @@ def _checkpoint_resumes(directory, precision):
     return path is not None, diff, held, whole
 
 
+@pytest.mark.parametrize("optimizer", ["SignMuon", "Dion"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_engine_checkpoint_at_stage_3_resumes_on_the_same_trajectory(pool, tmp_path, precision):
+def test_engine_checkpoint_at_stage_3_resumes_on_the_same_trajectory(pool, tmp_path, precision, optimizer):
     """DeepSpeed writes data-parallel rank 0's whole model (gathered for the save); each rank its own partition
     (and fp32 masters in bf16) next to it; after the save (and 3 more steps) and after the load only the owned
     weights are held; shardopt.deepspeed.detach(engine) gives every rank the whole model back."""
     for loaded, diff, (after_save, after_load, owned), whole in pool.run(_checkpoint_resumes, str(tmp_path),
-                                                                         precision, timeout_s=TIMEOUT_S):
+                                                                         precision, optimizer, timeout_s=TIMEOUT_S):
         assert loaded
         assert diff == 0
         assert after_save == after_load == owned
         assert whole
 
 
-def _inf_on_one_rank_skips_everywhere(precision):
+def _inf_on_one_rank_skips_everywhere(precision, optimizer):
     """2 steps, then a step whose second micro-batch has an infinite loss on rank 0 only, then 2 more."""
     _env()
-    engine, *_ = sds.initialize(model=_model(), config=_config("SignMuon", 3, MESH, precision, vote="allreduce_int8"))
+    engine, *_ = sds.initialize(model=_model(), config=_stage_3_config(optimizer, precision))
     _steps(engine, 2)
     with sds.gathered_weights(engine):
         before = [p.detach().clone() for p in engine.module.parameters()]
@@ -200,12 +294,13 @@ def _inf_on_one_rank_skips_everywhere(precision):
     return skipped, unchanged, sds.shard_optimizer(engine).replicas_consistent(), held, losses
 
 
+@pytest.mark.parametrize("optimizer", ["SignMuon", "Dion"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_an_inf_gradient_on_one_rank_skips_the_stage_3_step_on_every_rank(pool, precision):
+def test_an_inf_gradient_on_one_rank_skips_the_stage_3_step_on_every_rank(pool, precision, optimizer):
     """fp32: the optimizer's agreed non-finite check; bf16: the wrapper's overflow check, agreed over all ranks.
     The weights stay as they were, the replicas identical, and training goes on."""
     for skipped, unchanged, consistent, held, losses in pool.run(_inf_on_one_rank_skips_everywhere, precision,
-                                                                 timeout_s=TIMEOUT_S):
+                                                                 optimizer, timeout_s=TIMEOUT_S):
         assert skipped == 1 and unchanged and consistent and held
         assert all(loss == loss and abs(loss) < float("inf") for loss in losses), losses
 
@@ -215,11 +310,11 @@ def _zero_init_model(config):
         return _model()
 
 
-def _zero_init_runs_as_a_plain_model():
+def _zero_init_runs_as_a_plain_model(optimizer):
     """The same config on the same model built normally and under zero.Init (whose 2-D weights are 1-D partitions
     until shardopt gathers them), 3 steps each; and zero.Init at stage 2."""
     _env()
-    config = _config("SignMuon", 3, MESH, vote="allreduce_int8")
+    config = _stage_3_config(optimizer)
     runs = {}
     for name, model in (("plain", _model()), ("zero_init", _zero_init_model(config))):
         placeholder = tuple(next(model.parameters()).shape)
@@ -238,8 +333,10 @@ def _zero_init_runs_as_a_plain_model():
     return runs, refusal
 
 
-def test_a_model_built_under_zero_init_trains_as_the_same_model_built_normally(pool):
-    for runs, refusal in pool.run(_zero_init_runs_as_a_plain_model, timeout_s=TIMEOUT_S):
+@pytest.mark.parametrize("optimizer", ["SignMuon", "Dion"])
+def test_a_model_built_under_zero_init_trains_as_the_same_model_built_normally(pool, optimizer):
+    """Dion: its matrices split by rows from the gathered ds_shape weights."""
+    for runs, refusal in pool.run(_zero_init_runs_as_a_plain_model, optimizer, timeout_s=TIMEOUT_S):
         plain, zero_init = runs["plain"], runs["zero_init"]
         assert plain[0] == (32, 16) and zero_init[0] == (0,)    # zero.Init's placeholder of the first weight
         assert zero_init[1] == plain[1]                          # losses, bitwise

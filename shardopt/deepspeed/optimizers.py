@@ -7,13 +7,14 @@ import contextlib
 
 import torch
 
-from ..wire.comm import Axis
+from ..wire.comm import Axes, Axis
 from ..optim.guard import replicas_equal
 from ..localsteps.fragment import Ownership
 from ..localsteps.optimizer import LocalSteps
 from ..optim.optimizer import Dion, ShardOptimizer, SignMuon
 from ..optim.checkpoint_momenta import checkpoint_exchange
 from ..overlap.backward import BackwardOverlap
+from ..layout.matrices import single_matrix
 from ..layout.placement import local
 from . import internals
 from .zero import ZeroPartition
@@ -96,7 +97,11 @@ class _EngineSide:
         costs = [p.numel() * (2 if group["algorithm"] == "adamw" else 1) for group in self.param_groups
                  for p in group["params"]]
         self.zero = ZeroPartition([p.shape for p in self._slots()], self.node, zero_stage, costs,
-                                  window_bytes=self.bucket_bytes) if node_mesh is not None else None
+                                  window_bytes=self.bucket_bytes, row_slots=row_slots(self.param_groups, zero_stage)
+                                  ) if node_mesh is not None else None
+        if self.zero is not None and self.zero.rows:   # the node's ranks split Dion's matrices by rows (zero3.py)
+            self.shard = Axis("shard", node_mesh)
+            self.axes = self.bucket_step_axes = Axes(self.replicate, self.shard, self.tensor)
         self.overlap_backward = overlap_backward
 
     def _slots(self) -> list[torch.Tensor]:
@@ -127,6 +132,15 @@ class _EngineSide:
             self.zero.gather_weights(params)
         return loss
 
+    def _agreed(self, params: list, stale: bool | None = None):
+        """The pre-step agreement; with row slots (stage 3) the shard axis is the node's group, whose ranks hold
+        different whole params, so which params step is agreed over the replicate and tensor axes, as at stage 2
+        (every rank of the node holds each row slot's rows)."""
+        if self.zero is None or not self.zero.rows:
+            return super()._agreed(params, stale)
+        return self.agreement.stepping(params, self._param_label, self.replicate, (self.replicate, self.tensor),
+                                       self.agreement_axes(), self._device(), stale=stale)
+
     def _clip(self) -> None:
         """ν (see the class doc) into _global_grad_norm; g ← g · min(1, max_norm / (ν + 1e-6))."""
         norm = self.clip_grad_norm_(self.max_grad_norm)
@@ -137,7 +151,8 @@ class _EngineSide:
     def gradient_split_axes(self) -> tuple[Axis, ...]:
         """At ZeRO 1/2 each rank of the node holds the gradients it owns: the node axis splits the replica's gradient."""
         owned = self.zero is not None and self.zero.stage >= 1
-        return (*super().gradient_split_axes(), *((self.node,) if owned else ()))
+        rows = owned and bool(self.zero.rows)   # the shard axis is then the node's group: counted once, as the node
+        return (*(() if rows else super().gradient_split_axes()), *((self.node,) if owned else ()))
 
     def agreement_axes(self) -> tuple[Axis, ...]:
         """Skipping a step is agreed over the node as well (each rank checks the gradients it owns)."""
@@ -166,10 +181,19 @@ class _EngineSide:
     def replicas_consistent(self) -> bool:
         """True when every parameter is bitwise equal on every data-parallel rank (both axes; at ZeRO 3 with every
         weight gathered for the check)."""
-        weights = self._slots() if self.zero is None or self.zero.weights is None else self.zero.weights   # masters.py
         release = getattr(self.wiring, "release", None)
+        weights = self._slots() if self.zero is None or self.zero.weights is None else self.zero.weights   # masters.py
+        weights = release.params if release is not None else weights   # stage 3: the model's, gathered whole
         with release.all_gathered() if release is not None else contextlib.nullcontext():
             return super().replicas_consistent() and replicas_equal([local(p) for p in weights], self.node)
+
+
+def row_slots(param_groups: list[dict], zero_stage: int) -> tuple[int, ...]:
+    """At ZeRO stage 3 the slots (positions in the param order) split by rows over the node's ranks: the 2-D params
+    of "dion" groups that are one matrix each (no `split` into blocks), whose power iteration then runs row-sharded
+    as under FSDP2 (docs/design.md §14); none at other stages."""
+    slots = [group["algorithm"] == "dion" and single_matrix(p, group) for group in param_groups for p in group["params"]]
+    return tuple(slot for slot, split in enumerate(slots) if split and zero_stage == 3)
 
 
 class DeepSpeedDion(_EngineSide, Dion):

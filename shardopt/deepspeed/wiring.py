@@ -17,6 +17,7 @@ inert: a step on non-zero gradients raises). What is changed, and why (shardopt/
 | fp16/bf16 wrapper | `_skip_invalid_grad_norm` | local steps: a skipped step still counts towards the round; overlap_backward: the work begun in backward is dropped |
 | optimizer | `wiring` (the inner one under local steps); its params ↔ the wrapper's fp32 master copies | `replace_params` both ways |
 | engine, modules, params | `backward`, `save_checkpoint`, `load_checkpoint`; forward hooks; post-accumulate-grad hooks | ZeRO 3: the weights not owned here released outside the modules using them (zero3.py) |
+| optimizer, masters, engine | the Dion matrices' params (fp32) or masters' data (fp16/bf16); `zero.weights`, wrapper `refresh_fp32_params`; engine `zero_grad` (fp32) | ZeRO 3: Dion's matrices split by rows over the node (zero3.split_rows) |
 | params | post-accumulate-grad hooks | ZeRO 2/3 (zero.BackwardReducer), fp16/bf16: with overlap_backward each final gradient handed to the optimizer's round |
 """
 
@@ -97,11 +98,12 @@ class EngineWiring:
             self.patches.set(wrapper, "overflow_checker", AgreedOverflowCheck(masters.gradient_holders(self), side))
             self.patches.set(wrapper, "checkpoint_event_prologue", side.checkpoint_event_prologue)
             self._wrap_skipped_steps()
+        blocks = zero3.split_rows(self, model_params) if side.zero is not None and side.zero.stage == 3 else {}
         self._wrap_backward(model_params)
         if (side.zero is not None and side.zero.stage >= 1) or self.local_steps or getattr(side, "per_replica_state", False):
             self._wrap_checkpoints()   # per_replica_state: 1-bit Adam's error feedback (deepspeed/onebit.py)
         if side.zero is not None and side.zero.stage == 3:
-            zero3.release_weights(self, model_params)   # the weights too, on their owners only (zero3.py)
+            zero3.release_weights(self, model_params, blocks)   # the weights too, on their owners only (zero3.py)
         self.patches.set(side, "wiring", self)
         if side.overlap_backward:
             side.overlap_backward = True   # its hooks again: none where hand_over gives it the gradients
@@ -224,7 +226,7 @@ class EngineWiring:
         engine, optimizer = self.engine, self.side
         fp16 = engine.fp16_enabled()
         reducer, hand_over = None, self._hand_over()
-        holders = masters.gradient_holders(self) if self.wrapper is not None else model_params
+        holders = masters.gradient_holders(self) if self.wrapper is not None else self.side._slots()   # (ZeRO 3's row blocks)
         if optimizer.zero is not None and optimizer.zero.stage >= 2:
             reducer = BackwardReducer(optimizer.zero, model_params, optimizer.reduce_bucket_size, holders)
             self.hooks = reducer.hooks

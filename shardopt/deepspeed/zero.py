@@ -5,7 +5,8 @@ The data-parallel ranks form a (replicate R, shard S) mesh; by default one repli
 `placement.assign_owners` balances the optimizer state per owner (elements × state tensors per element). Whole tensors, not row blocks, so that
 the owner runs exactly the stage-0 math (Newton–Schulz and the power iteration need whole matrices;
 row blocks would change Sign-Muon's direction or add a shard-axis exchange per step), as
-microsoft/dion gives each rank whole matrices to orthogonalize. One optimizer step:
+microsoft/dion gives each rank whole matrices to orthogonalize (at stage 3 Dion's matrices are split by
+rows over the node instead, `row_slots`: zero3.py). One optimizer step:
 
     g_node = (1/S)·Σ_node g_local      reduce-scatter over the node axis, full precision (fp32):
                                        each rank gets the node mean of the params it owns
@@ -29,8 +30,8 @@ from collections import deque
 
 import torch
 
-from ..wire.comm import Axis
-from ..layout.placement import assign_owners
+from ..wire.comm import Axis, Pending
+from ..layout.placement import assign_owners, chunk_rows
 
 
 def mesh_shape(mesh: tuple[int, int] | None, stage: int, world: int) -> tuple[int, int] | None:
@@ -56,14 +57,20 @@ class ZeroPartition:
     and the two node-axis collectives of a step. stage 0: every rank owns every slot."""
 
     def __init__(self, shapes: list[torch.Size], node: Axis, stage: int, costs: list[int] | None = None,
-                 window_bytes: int | None = None):
+                 window_bytes: int | None = None, row_slots: tuple[int, ...] = ()):
         """costs: what each slot's optimizer state weighs (default: its element count), balanced over owners;
-        window_bytes: the most bytes gather_weights receives per all-gather (None: all at once)."""
+        window_bytes: the most bytes gather_weights receives per all-gather (None: all at once);
+        row_slots: stage 3, the 2-D slots split by rows over the node (every rank owns its rows: owner None,
+        `rows`: each one's rows per node rank, chunk_rows) instead of owned whole (zero3.py)."""
         self.node, self.stage, self.window_bytes = node, stage, window_bytes
         self.weights = None   # where gather_weights writes, when not the optimizer's params (masters.py)
         self.sizes = [int(torch.Size(shape).numel()) for shape in shapes]
+        self.rows = {slot: chunk_rows(shapes[slot][0], node.size) for slot in row_slots}
         self.costs = costs or self.sizes
-        self.owners = assign_owners(self.costs, node.size) if stage >= 1 else [node.rank] * len(shapes)
+        whole = [0 if slot in self.rows else cost for slot, cost in enumerate(self.costs)]   # (rows: balanced already)
+        self.owners = assign_owners(whole, node.size) if stage >= 1 else [node.rank] * len(shapes)
+        for slot in self.rows:
+            self.owners[slot] = None
         by_owner = [[i for i, owner in enumerate(self.owners) if owner == k] for k in range(node.size)]
         self.chunk = max(sum(self.sizes[i] for i in slots) for slots in by_owner) if stage >= 1 else sum(self.sizes)
         self.order = [i for slots in by_owner for i in slots] if stage >= 1 else list(range(len(shapes)))
@@ -75,8 +82,26 @@ class ZeroPartition:
                 self.offsets[i] = offset
                 offset += self.sizes[i]
 
+    def share(self, slot: int) -> float:
+        """The part of the slot this rank steps: 1 or 0 (owned whole or not), its rows' part of a row slot."""
+        return self.rows[slot][self.node.rank] / sum(self.rows[slot]) if slot in self.rows else float(self.owns(slot))
+
     def owns(self, slot: int) -> bool:
-        return self.owners[slot] == self.node.rank
+        """This rank steps the slot: it owns it whole, or its rows (row_slots)."""
+        return slot in self.rows or self.owners[slot] == self.node.rank
+
+    def reduce_to_owner(self, slot: int, gradient: torch.Tensor):
+        """Start the node sum Σ_node of a slot's gradient towards what this rank steps (async): a reduce to its
+        owner (wait() gives the sum on the owner), or for a row slot a reduce-scatter of its rows (wait() gives
+        this rank's rows of the sum; the rows zero-padded to S·⌈m/S⌉, torch.chunk's split)."""
+        if slot not in self.rows:
+            return self.node.reduce(gradient, self.owners[slot], async_op=True)
+        per_rank, size = self.rows[slot], self.node.size
+        padded = gradient.new_zeros((size * per_rank[0], *gradient.shape[1:]))
+        padded[:gradient.shape[0]].copy_(gradient)
+        pending = self.node.reduce_scatter(padded, async_op=True)
+        rows = per_rank[self.node.rank]
+        return Pending(pending.work, lambda: pending.finish()[:rows])
 
     def _pack(self, tensors: list[torch.Tensor | None], slots, dtype, device) -> torch.Tensor:
         """A flat buffer (S·chunk at stages 1/2, all slots at stage 0); None tensors count as zeros."""
@@ -160,7 +185,8 @@ class ZeroPartition:
 class BackwardReducer:
     """ZeRO stage 2 during backward: when backward has accumulated a parameter's gradient (a
     post-accumulate-grad hook), the gradient (in fp32, fp64 if it is fp64) is reduced to its owner over
-    the node axis and dropped on this rank unless it owns it; when more than `cap_elements` are in
+    the node axis (a row slot's reduce-scattered by rows: ZeroPartition.reduce_to_owner) and dropped on this
+    rank unless it owns it (its rows); when more than `cap_elements` are in
     flight the oldest reduce is waited for, and every hook takes the reduces that have completed. Every
     rank runs the same backward graph, so the reduces are issued in the same order everywhere.
 
@@ -193,18 +219,17 @@ class BackwardReducer:
         grad = param.grad
         buffer = grad.to(torch.float64 if grad.dtype == torch.float64 else torch.float32)
         param.grad = None
-        owner = self.partition.owners[slot]
-        self.pending.append((slot, buffer, self.partition.node.reduce(buffer, owner, async_op=True)))
+        self.pending.append((slot, buffer, self.partition.reduce_to_owner(slot, buffer)))
         self.in_flight += buffer.numel()
         while self.pending and (self.in_flight > self.cap or self.pending[0][2].done()):
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
         slot, buffer, pending = self.pending.popleft()
-        pending.wait()
+        total = pending.wait()
         self.in_flight -= buffer.numel()
         if self.partition.owns(slot):   # a param may be accumulated twice (reentrant checkpointing): add
-            mean = buffer.div_(self.partition.node.size)
+            mean = total.div_(self.partition.node.size)
             self.results[slot] = self.results[slot].add_(mean) if slot in self.results else mean
             self.reduces[slot] = self.reduces.get(slot, 0) + 1
             if self.deliver is not None and slot not in self.delivered:

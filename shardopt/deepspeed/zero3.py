@@ -21,6 +21,23 @@ broadcasts in the same order. Per rank: the params and the optimizer state of th
 of the modules running; bytes inside the node per micro-batch: each param broadcast twice (forward, backward)
 on top of stage 2's reduces, and no all-gather after the step.
 
+Dion's matrices are not owned whole: each is split by rows over the node's S ranks (the "row slots" of
+ZeroPartition: the 2-D params of "dion" groups without a `split`), the node being Dion's shard axis as under
+FSDP2 (`split_rows`; the optimizer's shard axis is the node's group):
+
+    rank i holds         rows [i·⌈m/S⌉, …) of the weight (a placement.RowBlock, in the model's dtype), of the fp32
+                         master under fp16/bf16, of the momentum, and Q's rows (Dion works on B = Xᵀ)
+    gather (forward,     all-gather of the row blocks (each zero-padded to ⌈m/S⌉ rows), in place of the broadcast;
+      backward)          the whole weight is released on every rank after its use
+    after p's gradient   reduce-scatter of its rows (the node sum; ZeroPartition.reduce_to_owner), in fp32
+    step                 Dion's row-sharded power iteration: P = Σ_node B_i·Q_i, the distributed column norms, and
+                         P's rows split over the node for the replicate mean (algorithms/dion.py, factors.py)
+
+so every rank steps its rows of every Dion matrix, the node sends (a + b)·r per matrix across nodes as at stage 2
+(plus ⌈a/S⌉·S − a padding rows of P when S does not divide a = n), and the held params + state are balanced
+to 1/S whatever the matrices' sizes. Not bitwise stage 2: Dion works on Xᵀ here (the row split must fall on
+b), on X at stage 2 when m ≥ n; where both work on Xᵀ (m < n) they differ by the order of the row-block sums.
+
 Parameters used outside the forward of a module holding them (e.g. `F.linear(x, self.wte.weight)` in a parent's
 forward) are not gathered there: tie them as module attributes (`lm_head.weight = wte.weight`) so each module
 holding them gathers them. The backward gather hooks the tensors of a module's output found in tensors, tuples,
@@ -41,6 +58,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from ..layout.placement import mark_row_block, row_block
 from ..wire.comm import Axis
 from .optimizers import engine_side
 from .zero import ZeroPartition
@@ -49,10 +67,13 @@ from .zero import ZeroPartition
 class WeightRelease:
     """The stage-3 weights of a model (module doc): `params` in the partition's slot order."""
 
-    def __init__(self, partition: ZeroPartition, model: torch.nn.Module, params: list[torch.Tensor]):
+    def __init__(self, partition: ZeroPartition, model: torch.nn.Module, params: list[torch.Tensor],
+                 blocks: dict[int, torch.Tensor] | None = None):
+        """blocks: each row slot's row block of the weight, in the param's dtype (`split_rows`)."""
         self.partition = partition
         self.params = list(params)
         self.owner = {id(p): partition.owners[slot] for slot, p in enumerate(self.params)}
+        self.blocks = {id(self.params[slot]): block for slot, block in (blocks or {}).items()}
         self.gathers = {id(p): 0 for p in self.params}
         self.sizes = {id(p): p.untyped_storage().nbytes() for p in self.params}
         for slot, param in enumerate(self.params):
@@ -72,18 +93,34 @@ class WeightRelease:
         self.release_all()
 
     def owns(self, param: torch.Tensor) -> bool:
+        """This rank keeps the param whole (a row-split param is whole nowhere between its uses)."""
         return self.owner[id(param)] == self.partition.node.rank
 
     @torch.no_grad()
     def gather(self, params: list[torch.Tensor]) -> None:
-        """Count a use of each param; the first use brings a released one back from its owner (broadcast)."""
+        """Count a use of each param; the first use brings a released one back: broadcast from its owner, or
+        all-gathered from the node's row blocks (each zero-padded to ⌈m/S⌉ rows, torch.chunk's split)."""
         for param in params:
             self.gathers[id(param)] += 1
             if self.gathers[id(param)] > 1:
                 continue
             if not self.owns(param):
                 param.untyped_storage().resize_(self.sizes[id(param)])
-            self.partition.node.broadcast(param.data, self.owner[id(param)])
+            block = self.blocks.get(id(param))
+            if block is None:
+                self.partition.node.broadcast(param.data, self.owner[id(param)])
+                continue
+            piece = block.new_zeros((-(-param.shape[0] // self.partition.node.size), *block.shape[1:]))
+            piece[:block.shape[0]].copy_(block)
+            param.data.copy_(self.partition.node.all_gather(piece).flatten(0, 1)[:param.shape[0]])
+
+    @torch.no_grad()
+    def blocks_from_params(self) -> None:
+        """Each row block ← its rows of the param (gathered: after engine.load_checkpoint wrote the whole weights)."""
+        for param in self.params:
+            block = self.blocks.get(id(param))
+            if block is not None:
+                block.copy_(param[row_block(block).rows])
 
     def release(self, params: list[torch.Tensor]) -> None:
         """End a use of each param; a param not owned here and no longer used gives its storage back."""
@@ -152,12 +189,75 @@ def _tensors(output) -> list[torch.Tensor]:
     return []
 
 
-def release_weights(wiring, model_params: list[torch.Tensor]) -> WeightRelease:
+@torch.no_grad()
+def split_rows(wiring, model_params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Stage 3 on an EngineWiring, before its backward wrapper: each row slot's (ZeroPartition.rows) row block of
+    the weight, cloned from the whole model param (marked placement.RowBlock), by slot. In fp32 the optimizer
+    steps these blocks in place of the model's params; under fp16/bf16 the slot's fp32 master becomes its row
+    block, and the blocks (in the model's dtype) are where the step's copy of the masters goes (zero.weights).
+    Each change recorded in the wiring's Patches (undone: the optimizer's params and the masters whole again)."""
+    side, zero, patches, wrapper = wiring.side, wiring.side.zero, wiring.patches, wiring.wrapper
+    size, index = zero.node.size, zero.node.rank
+    blocks = {}
+    for slot, per_rank in zero.rows.items():
+        param = model_params[slot]
+        rows = slice(sum(per_rank[:index]), sum(per_rank[:index + 1]))
+        blocks[slot] = mark_row_block(param.detach()[rows].clone(), tuple(param.shape), size, index)
+    if wrapper is None:   # fp32: the optimizer's params are the model's; the row blocks step in their place
+        slots, engine_zero_grad = side._slots(), wiring.engine.zero_grad
+        replaced = {slots[slot]: block for slot, block in blocks.items()}
+        _swap_params(side, replaced)
+        patches.on_undo(lambda: _swap_params(side, {block: param for param, block in replaced.items()}, drop=True))
+
+        def zero_grad():   # (the engine's clears the model's params only)
+            engine_zero_grad()
+            for block in blocks.values():
+                block.grad = None
+
+        zero_grad.__doc__ = engine_zero_grad.__doc__
+        patches.set(wiring.engine, "zero_grad", zero_grad)
+        return blocks
+    for slot, block in blocks.items():
+        master = wiring.masters[slot][1]
+        master.data = master.data[row_block(block).rows].clone()
+        mark_row_block(master, block.shardopt_row_block.shape, size, index)
+    patches.set(zero, "weights", [blocks.get(slot, weight) for slot, weight in enumerate(zero.weights)])
+
+    def refresh_fp32_params():   # (masters.py's, with a row slot's master from its rows of the weight)
+        for slot, (low, master) in enumerate(wiring.masters):
+            if zero.owns(slot):
+                whole = low.untyped_storage().nbytes() > 0
+                master.copy_(low if slot not in blocks else low[row_block(master).rows] if whole else blocks[slot])
+
+    patches.set(wrapper, "refresh_fp32_params", refresh_fp32_params)
+
+    def remake():   # (after the release's detach: every weight whole again)
+        for slot in blocks:
+            low, master = wiring.masters[slot]
+            del master.shardopt_row_block
+            master.data = low.detach().to(torch.float32, copy=True)
+
+    patches.on_undo(remake)
+    return blocks
+
+
+def _swap_params(optimizer, replaced: dict, drop: bool = False) -> None:
+    """Each param `old` of the optimizer's groups replaced by `replaced[old]`, which takes its seed index, label and
+    state (drop: its state dropped instead, a row block's not fitting a whole param)."""
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(param, param) for param in group["params"]]
+    optimizer.replace_params(replaced.items())
+    for new in replaced.values() if drop else ():
+        optimizer.state.pop(new, None)
+
+
+def release_weights(wiring, model_params: list[torch.Tensor], blocks: dict[int, torch.Tensor]) -> WeightRelease:
     """Stage 3 on an EngineWiring (after its stage-2 backward and checkpoint wrappers): the weights released
     (module doc); engine.backward ends with every param not owned here released; engine.save_checkpoint and
-    load_checkpoint run with every weight gathered. Each change recorded in the wiring's Patches."""
+    load_checkpoint run with every weight gathered (after a load the row blocks are taken from the loaded weights).
+    Each change recorded in the wiring's Patches."""
     engine = wiring.engine
-    release = WeightRelease(wiring.side.zero, engine.module, model_params)
+    release = WeightRelease(wiring.side.zero, engine.module, model_params, blocks)
     wiring.patches.on_undo(release.detach)
     backward, save, load = engine.backward, engine.save_checkpoint, engine.load_checkpoint
     save_16bit = engine.save_16bit_model
@@ -168,11 +268,13 @@ def release_weights(wiring, model_params: list[torch.Tensor]) -> WeightRelease:
         finally:
             release.release_all()
 
-    def gathered(original):
-        """`original` run with every weight gathered."""
+    def gathered(original, then=lambda: None):
+        """`original` run with every weight gathered (and `then` after it, still gathered)."""
         def call(*args, **kwargs):
             with release.all_gathered():
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
+                then()
+                return result
         return call
 
     def whole_state_dict(exclude_frozen_parameters=False):
@@ -180,7 +282,7 @@ def release_weights(wiring, model_params: list[torch.Tensor]) -> WeightRelease:
 
     for name, function, original in (("backward", backward_releasing, backward),
                                      ("save_checkpoint", gathered(save), save),
-                                     ("load_checkpoint", gathered(load), load),
+                                     ("load_checkpoint", gathered(load, release.blocks_from_params), load),
                                      ("save_16bit_model", gathered(save_16bit), save_16bit),
                                      ("_zero3_consolidated_16bit_state_dict", whole_state_dict,
                                       engine._zero3_consolidated_16bit_state_dict)):

@@ -23,6 +23,10 @@ so FSDP2 (`Shard(0)`), HSDP (`(Replicate(), Shard(0))`), tensor parallelism alon
 replicate dim in front. Every split is torch.chunk's: ceil(m/parts) rows per rank, the
 last ranks short or empty; under `_StridedShard` the tensor axis splits the rows first and
 the shard axis splits each tensor rank's block (FSDP2 shards the local TP tensor).
+
+A plain tensor can also be one rank's row block of a matrix split over the shard axis without being a
+DTensor (`RowBlock`, `mark_row_block`: DeepSpeed ZeRO stage 3, where the node's ranks are the shard axis,
+shardopt/deepspeed/zero3.py): its layout is that of the same block of a `Shard(0)` DTensor, its state stays plain.
 """
 
 from __future__ import annotations
@@ -116,6 +120,39 @@ class MatrixLayout:
         split alone (tensor parallelism `Shard(1)`) B = M: the tensor axis splits b."""
         m, n = self.shape
         return bool(self.row_axes) or (not self.col_axes and m < n)
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """A plain tensor that is shard rank `index`'s rows of an m×n matrix (`shape`) whose rows the shard axis
+    splits as torch.chunk does (`shard_rows`, rows per shard rank): laid out like that rank's block of a
+    `Shard(0)` DTensor (matrix_layout), without a DTensor."""
+
+    shape: tuple[int, int]
+    shard_rows: tuple[int, ...]
+    index: int
+
+    @property
+    def rows(self) -> slice:
+        """This block's rows of the whole matrix."""
+        start = sum(self.shard_rows[:self.index])
+        return slice(start, start + self.shard_rows[self.index])
+
+
+def mark_row_block(tensor: torch.Tensor, shape: tuple[int, int], parts: int, index: int) -> torch.Tensor:
+    """Mark `tensor` (rows × n) as shard rank `index`'s row block of a matrix of `shape` split over `parts` ranks
+    (chunk_rows); returns it."""
+    block = RowBlock(tuple(shape), chunk_rows(shape[0], parts), index)
+    if tuple(tensor.shape) != (block.shard_rows[index], shape[1]):
+        raise ValueError(f"a row block of rank {index} of {parts} of a {tuple(shape)} matrix has shape "
+                         f"{(block.shard_rows[index], shape[1])}, got {tuple(tensor.shape)}")
+    tensor.shardopt_row_block = block
+    return tensor
+
+
+def row_block(tensor) -> RowBlock | None:
+    """The RowBlock a plain tensor was marked with (mark_row_block), else None."""
+    return getattr(tensor, "shardopt_row_block", None)
 
 
 def chunk_rows(m: int, parts: int) -> tuple[int, ...]:
@@ -240,7 +277,10 @@ def _same_mesh(a, b) -> bool:
 
 
 def matrix_layout(param: torch.Tensor) -> MatrixLayout:
-    """Layout of a 2-D parameter: whole on this rank, or split over its shard and tensor mesh dims."""
+    """Layout of a 2-D parameter: whole on this rank, split over its shard and tensor mesh dims, or a RowBlock."""
+    block = row_block(param)
+    if block is not None:
+        return MatrixLayout(shape=block.shape, shard_rows=block.shard_rows, shard_index=block.index, sharded=True)
     m, n = param.shape
     if not is_dtensor(param):
         return MatrixLayout(shape=(m, n), shard_rows=(m,))
@@ -277,6 +317,9 @@ def dim0_shards(param: torch.Tensor, label: str = "") -> tuple[tuple[int, ...], 
     experts), or None for a tensor held whole on this rank. A tensor-parallel split is not
     expressible here: ValueError naming the param (3-D stacks and `split` params take FSDP2 / expert
     parallelism only)."""
+    block = row_block(param)
+    if block is not None:
+        return block.shard_rows, block.index
     if not is_dtensor(param):
         return None
     roles = _roles(param, label)
