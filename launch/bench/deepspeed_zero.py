@@ -15,7 +15,8 @@ Per configuration (the largest value over the 4 ranks where ranks differ):
   masters    bytes of DeepSpeed's fp32 master copies (stages 2/3: the owned slots only)
   weights    bytes of the model's bf16 weights held between steps (their storage; stage 3: the owned ones and the
              rank's row blocks of Dion's matrices)
-  repl B/st  replicate-axis bytes per step (between nodes); shard B/st the same inside a node
+  repl B/st  replicate-axis bytes per step (between nodes); B/node the same summed over a node's ranks (stage 0:
+             each rank its own node); shard B/st the bytes inside a node
   identical  all four ranks' weights bitwise equal; loss: mean over ranks, first → last step
 Writes results/deepspeed_zero.csv.
 """
@@ -90,8 +91,11 @@ def run(args, optimizer: str, stage: int) -> dict:
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     engine.destroy()
-    return {key: (max(r[key] for r in rows) if isinstance(row[key], (int, float)) and key not in ("identical",)
-                  else row[key]) for key in row}
+    ranks_per_node = MESH["shard"] if stage else 1
+    per_node = [sum(r["replicate_bytes_per_step"] for r in rows[first:first + ranks_per_node])
+                for first in range(0, len(rows), ranks_per_node)]
+    return {**{key: (max(r[key] for r in rows) if isinstance(row[key], (int, float)) and key not in ("identical",)
+                     else row[key]) for key in row}, "replicate_bytes_per_node_step": max(per_node)}
 
 
 def main() -> None:
@@ -106,7 +110,7 @@ def main() -> None:
     rows = [run(args, optimizer, stage) for optimizer in OPTIMIZERS for stage in (0, 1, 2, 3)]
     if dist.get_rank() == 0:
         header = (f"{'optimizer':>9} {'stage':>5} {'mesh':>4} {'state B':>9} {'state/S0':>8} {'owned':>7} "
-                  f"{'grads B':>8} {'masters B':>9} {'weights B':>9} {'repl B/st':>9} {'repl/S0':>7} {'shard B/st':>10} "
+                  f"{'grads B':>8} {'masters B':>9} {'weights B':>9} {'repl B/st':>9} {'repl/S0':>7} {'B/node':>8} {'shard B/st':>10} "
                   f"{'identical':>9}  loss")
         print(header)
         for row in rows:
@@ -116,7 +120,7 @@ def main() -> None:
             print(f"{row['optimizer']:>9} {row['stage']:>5} {row['mesh']:>4} {row['state_bytes']:>9,} "
                   f"{row['state_vs_stage0']:>8.2f} {row['owned_fraction']:>7.2f} {row['grad_bytes']:>8,} "
                   f"{row['master_bytes']:>9,} {row['weight_bytes']:>9,} {row['replicate_bytes_per_step']:>9,.0f} {row['replicate_vs_stage0']:>7.2f} "
-                  f"{row['shard_bytes_per_step']:>10,.0f} {str(row['identical']):>9}  "
+                  f"{row['replicate_bytes_per_node_step']:>8,.0f} {row['shard_bytes_per_step']:>10,.0f} {str(row['identical']):>9}  "
                   f"{row['loss_first']:.3f} → {row['loss_last']:.3f}")
         rounded = [{key: round(value, 4) if isinstance(value, float) else value for key, value in row.items()}
                    for row in rows]
