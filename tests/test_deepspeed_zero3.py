@@ -1,12 +1,11 @@
 """ZeRO stage 3 under shardopt's DeepSpeed plugin (shardopt/deepspeed/zero3.py): 4 gloo ranks as 2 nodes × 2
 ("shardopt": {"mesh": {"replicate": 2, "shard": 2}}), gradient accumulation 2, real DeepSpeed engines. Pinned here,
-for Dion and Sign-Muon:
+for Sign-Muon (Dion: below):
 - stage 3 is stage 2 with the weights released: the same losses, weights and replicate-axis bytes, bitwise
   (the owners step the same gradients; a module computes with its owners' weights, broadcast);
 - per rank, params + optimizer state (+ fp32 masters in bf16) ≤ 0.6× stage 0's on the same mesh, and between
   steps a rank holds the storage of the params it owns only;
-- Newton–Schulz (Sign-Muon) and the power iteration (Dion) run once per matrix per optimizer step on each node,
-  on its owner (not once per micro-batch); inside the node each owned weight is broadcast twice per
+- Newton–Schulz runs once per matrix per optimizer step on each node, on its owner (not once per micro-batch); inside the node each owned weight is broadcast twice per
   micro-batch in place of stage 2's all-gather after the step (counted bytes);
 - the four ranks' weights are bitwise identical; the loss goes down;
 - bf16 (non-matrix params on Lion's vote, gradient_clipping 0.5: the agreed norm) matches bf16 stage 2 bitwise;
@@ -15,6 +14,10 @@ for Dion and Sign-Muon:
   every weight on every rank;
 - a model built under deepspeed.zero.Init trains bitwise as the same model built normally (its partitions
   gathered into ds_shape weights before the param groups are made); at stage 2 it is refused naming the fix.
+Dion's matrices are split by rows over the node instead (zero3.split_rows): it trains bitwise as FSDP2 HSDP with
+the same config, and as stage 2 to float tolerance where both work on Xᵀ (m < n); bytes across nodes per node are
+stage 2's; every rank holds ≈ 1/2 of stage 0's params + state even when one matrix dominates; the power iteration
+runs once per matrix per step; checkpoints, the inf skip and zero.Init as for Sign-Muon, fp32 and bf16.
 """
 
 import pytest
@@ -30,7 +33,7 @@ import shardopt.deepspeed as sds  # noqa: E402
 from shardopt.algorithms.lowrank import dion_rank  # noqa: E402
 from shardopt.optim.guard import replicas_equal  # noqa: E402
 from shardopt.wire.comm import Axis, split_world  # noqa: E402
-from test_deepspeed_zero import MESH, _config, _data, _env, _model, _save_and_resume, _steps  # noqa: E402
+from test_deepspeed_zero import MESH, PARAMS, _config, _data, _env, _model, _save_and_resume, _steps  # noqa: E402
 from workers import WorkerPool  # noqa: E402
 
 TIMEOUT_S = 300
@@ -215,6 +218,50 @@ def test_dion_at_stage_3_splits_every_matrix_by_rows_over_the_node(pool, precisi
         assert three["held"]["params"] == three["owned_param_bytes"]   # own rows and owned whole params only
         assert three["matrix_directions"] == [MATRICES] * STEPS   # each rank: its rows of the 6 matrices, once
         assert zero["identical"]
+
+
+def _fsdp2_hsdp_run():
+    """The config of `_run("Dion", 3)` without DeepSpeed: FSDP2 `fully_shard` on the shard dim of a (replicate 2,
+    shard 2) mesh, shardopt.Dion on the replicate dim, the same param groups, micro-batches and loss scaling
+    (1 / gradient_accumulation_steps, as engine.backward does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import shardopt
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model()
+    fully_shard(model, mesh=mesh["shard"])
+    options = {**PARAMS["Dion"], "wire_dtype": getattr(torch, PARAMS["Dion"]["wire_dtype"])}
+    optimizer = shardopt.Dion(shardopt.param_groups(model, "dion", "adamw"), replicate_mesh=mesh["replicate"],
+                              **options)
+    x, y = _data()
+    losses = []
+    for _ in range(STEPS):
+        total = 0.0
+        for micro in range(2):
+            loss = ((model(x[4 * micro:4 * micro + 4]) - y[4 * micro:4 * micro + 4]) ** 2).mean()
+            (loss / 2).backward()
+            total += loss.item() / 2
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def _stage_3_and_fsdp2_hsdp():
+    _env()
+    return _run("Dion", 3), _fsdp2_hsdp_run()
+
+
+def test_dion_at_stage_3_trains_as_fsdp2_hsdp(pool):
+    """Dion at stage 3 is the FSDP2-HSDP layout with the node as the shard axis: the same row blocks, the same
+    bucket steps and collectives (P summed over the node, its rows split there for the replicate mean, the column
+    norms summed over the node), the gradients' node sums added in the same order (FSDP2 divides each rank's
+    gradient by 2 before the reduce-scatter, stage 3 the sum after it: exact either way), so losses and weights
+    are bitwise those of FSDP2 HSDP, matrices with m ≥ n included (where stage 2, on whole matrices, works on W)."""
+    for three, (losses, weights) in pool.run(_stage_3_and_fsdp2_hsdp, timeout_s=TIMEOUT_S):
+        assert three["losses"] == losses
+        assert all(torch.equal(a, b) for a, b in zip(three["weights"], weights))
 
 
 def test_dion_at_stage_3_matches_stage_2_where_both_work_on_the_transpose(pool):

@@ -35,7 +35,8 @@ FSDP2 (`split_rows`; the optimizer's shard axis is the node's group):
 
 so every rank steps its rows of every Dion matrix, the node sends (a + b)·r per matrix across nodes as at stage 2
 (plus ⌈a/S⌉·S − a padding rows of P when S does not divide a = n), and the held params + state are balanced
-to 1/S whatever the matrices' sizes. Not bitwise stage 2: Dion works on Xᵀ here (the row split must fall on
+to 1/S whatever the matrices' sizes. Bitwise FSDP2 HSDP with the same config (tests/test_deepspeed_zero3.py); not
+bitwise stage 2: Dion works on Xᵀ here (the row split must fall on
 b), on X at stage 2 when m ≥ n; where both work on Xᵀ (m < n) they differ by the order of the row-block sums.
 
 Parameters used outside the forward of a module holding them (e.g. `F.linear(x, self.wte.weight)` in a parent's
