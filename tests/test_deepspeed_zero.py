@@ -232,13 +232,13 @@ def test_bf16_stage_2_steps_the_exact_fp32_node_mean_on_the_owned_masters_only(p
         assert all(g is None for g in others) and (bool(others) == (mesh["shard"] > 1))
 
 
-def _save_and_resume(directory, config):
+def _save_and_resume(directory, config, build_model=_model):
     """An engine saved after 3 steps and continued for 3 more; a fresh one (on other weights) loading that save."""
-    saving, *_ = sds.initialize(model=_model(), config=config)
+    saving, *_ = sds.initialize(model=build_model(), config=config)
     _steps(saving, 3)
     saving.save_checkpoint(directory, tag="step3")
     _steps(saving, 3)
-    model = _model()
+    model = build_model()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)            # the load must overwrite these

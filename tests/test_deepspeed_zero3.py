@@ -294,9 +294,9 @@ def test_dion_at_stage_3_balances_one_dominant_matrix_over_the_node(pool):
     assert max(shares["Dion"]) <= 0.6 and max(shares["SignMuon"]) > 0.6
 
 
-def _checkpoint_resumes(directory, precision, optimizer):
+def _checkpoint_resumes(directory, precision, optimizer, model):
     _env()
-    saving, resumed, path = _save_and_resume(directory, _stage_3_config(optimizer, precision))
+    saving, resumed, path = _save_and_resume(directory, _stage_3_config(optimizer, precision), MODELS[model])
     held = (_held_bytes(saving)["params"], _held_bytes(resumed)["params"], _owned_param_bytes(resumed))
     _steps(resumed, 3)
     with sds.gathered_weights(saving), sds.gathered_weights(resumed):
@@ -306,14 +306,18 @@ def _checkpoint_resumes(directory, precision, optimizer):
     return path is not None, diff, held, whole
 
 
-@pytest.mark.parametrize("optimizer", ["SignMuon", "Dion"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_engine_checkpoint_at_stage_3_resumes_on_the_same_trajectory(pool, tmp_path, precision, optimizer):
+@pytest.mark.parametrize("precision,optimizer,model", [("fp32", "SignMuon", "six"), ("bf16", "SignMuon", "six"),
+                                                       ("fp32", "Dion", "six"), ("bf16", "Dion", "six"),
+                                                       ("fp32", "Dion", "narrowing")])
+def test_engine_checkpoint_at_stage_3_resumes_on_the_same_trajectory(pool, tmp_path, precision, optimizer, model):
     """DeepSpeed writes data-parallel rank 0's whole model (gathered for the save); each rank its own partition
     (and fp32 masters in bf16) next to it; after the save (and 3 more steps) and after the load only the owned
-    weights are held; shardopt.deepspeed.detach(engine) gives every rank the whole model back."""
+    weights are held; shardopt.deepspeed.detach(engine) gives every rank the whole model back. Dion's row blocks
+    come from the loaded weights, their state from each rank's own file (uneven rows: the "narrowing" model's
+    9 rows over 2 ranks, whose state shapes differ from rank 0's)."""
     for loaded, diff, (after_save, after_load, owned), whole in pool.run(_checkpoint_resumes, str(tmp_path),
-                                                                         precision, optimizer, timeout_s=TIMEOUT_S):
+                                                                         precision, optimizer, model,
+                                                                         timeout_s=TIMEOUT_S):
         assert loaded
         assert diff == 0
         assert after_save == after_load == owned

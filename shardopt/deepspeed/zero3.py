@@ -55,12 +55,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import torch
 import torch.distributed as dist
 
 from ..layout.placement import mark_row_block, row_block
 from ..wire.comm import Axis
+from . import internals
 from .optimizers import engine_side
 from .zero import ZeroPartition
 
@@ -281,9 +283,21 @@ def release_weights(wiring, model_params: list[torch.Tensor], blocks: dict[int, 
     def whole_state_dict(exclude_frozen_parameters=False):
         return release.whole_state_dict(engine.module, exclude_frozen_parameters)
 
+    load_signature = inspect.signature(internals.unwrapped(type(engine).load_checkpoint))
+
+    def load_own_optimizer_state(*args, **kwargs):
+        """DeepSpeed's load without data-parallel rank 0's optimizer state (load_optimizer_states=False, and its
+        'optimizer' entry kept out of the client state returned): with row blocks the ranks' state shapes differ
+        (uneven rows), and each rank's own file, read after it (wiring._wrap_checkpoints), holds its state."""
+        bound = load_signature.bind(engine, *args, **kwargs)
+        bound.arguments["load_optimizer_states"] = False
+        path, client_state = load(*bound.args[1:], **bound.kwargs)
+        return path, {key: value for key, value in client_state.items() if key != "optimizer"}
+
+    rows_load = load_own_optimizer_state if blocks else load
     for name, function, original in (("backward", backward_releasing, backward),
                                      ("save_checkpoint", gathered(save), save),
-                                     ("load_checkpoint", gathered(load, release.blocks_from_params), load),
+                                     ("load_checkpoint", gathered(rows_load, release.blocks_from_params), load),
                                      ("save_16bit_model", gathered(save_16bit), save_16bit),
                                      ("_zero3_consolidated_16bit_state_dict", whole_state_dict,
                                       engine._zero3_consolidated_16bit_state_dict)):
