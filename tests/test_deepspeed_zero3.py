@@ -78,8 +78,8 @@ def _owned_param_bytes(engine) -> int:
 
 
 def _matrices(X: torch.Tensor) -> int:
-    """The matrices in a stack (k, m, n) (or one (m, n))."""
-    return X.numel() // (X.shape[-2] * X.shape[-1])
+    """The matrices in a stack (k, m, n) (or one (m, n); an empty row block counts)."""
+    return X.shape[0] if X.ndim == 3 else 1
 
 
 def _counting(counts: dict):
@@ -117,7 +117,14 @@ def _dominated_model() -> torch.nn.Module:
                                torch.nn.Linear(96, 8))
 
 
-MODELS = {"six": _model, "narrowing": _narrowing_model, "dominated": _dominated_model}
+def _one_row_head_model() -> torch.nn.Module:
+    """A 1×32 head: split over 2 ranks, one of them holds no row of it (an empty block)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+MODELS = {"six": _model, "narrowing": _narrowing_model, "dominated": _dominated_model,
+          "one_row_head": _one_row_head_model}
 
 
 def _run(optimizer, stage, precision="fp32", model="six"):
@@ -220,7 +227,7 @@ def test_dion_at_stage_3_splits_every_matrix_by_rows_over_the_node(pool, precisi
         assert zero["identical"]
 
 
-def _fsdp2_hsdp_run():
+def _fsdp2_hsdp_run(model_name):
     """The config of `_run("Dion", 3)` without DeepSpeed: FSDP2 `fully_shard` on the shard dim of a (replicate 2,
     shard 2) mesh, shardopt.Dion on the replicate dim, the same param groups, micro-batches and loss scaling
     (1 / gradient_accumulation_steps, as engine.backward does)."""
@@ -229,7 +236,7 @@ def _fsdp2_hsdp_run():
 
     import shardopt
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = _model()
+    model = MODELS[model_name]()
     fully_shard(model, mesh=mesh["shard"])
     options = {**PARAMS["Dion"], "wire_dtype": getattr(torch, PARAMS["Dion"]["wire_dtype"])}
     optimizer = shardopt.Dion(shardopt.param_groups(model, "dion", "adamw"), replicate_mesh=mesh["replicate"],
@@ -248,18 +255,20 @@ def _fsdp2_hsdp_run():
     return losses, [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def _stage_3_and_fsdp2_hsdp():
+def _stage_3_and_fsdp2_hsdp(model):
     _env()
-    return _run("Dion", 3), _fsdp2_hsdp_run()
+    return _run("Dion", 3, model=model), _fsdp2_hsdp_run(model)
 
 
-def test_dion_at_stage_3_trains_as_fsdp2_hsdp(pool):
+@pytest.mark.parametrize("model", ["six", "one_row_head"])
+def test_dion_at_stage_3_trains_as_fsdp2_hsdp(pool, model):
     """Dion at stage 3 is the FSDP2-HSDP layout with the node as the shard axis: the same row blocks, the same
     bucket steps and collectives (P summed over the node, its rows split there for the replicate mean, the column
     norms summed over the node), the gradients' node sums added in the same order (FSDP2 divides each rank's
     gradient by 2 before the reduce-scatter, stage 3 the sum after it: exact either way), so losses and weights
-    are bitwise those of FSDP2 HSDP, matrices with m ≥ n included (where stage 2, on whole matrices, works on W)."""
-    for three, (losses, weights) in pool.run(_stage_3_and_fsdp2_hsdp, timeout_s=TIMEOUT_S):
+    are bitwise those of FSDP2 HSDP, matrices with m ≥ n included (where stage 2, on whole matrices, works on W),
+    and a 1-row head, of which one rank of each node holds no row."""
+    for three, (losses, weights) in pool.run(_stage_3_and_fsdp2_hsdp, model, timeout_s=TIMEOUT_S):
         assert three["losses"] == losses
         assert all(torch.equal(a, b) for a, b in zip(three["weights"], weights))
 

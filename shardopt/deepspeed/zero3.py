@@ -283,18 +283,7 @@ def release_weights(wiring, model_params: list[torch.Tensor], blocks: dict[int, 
     def whole_state_dict(exclude_frozen_parameters=False):
         return release.whole_state_dict(engine.module, exclude_frozen_parameters)
 
-    load_signature = inspect.signature(internals.unwrapped(type(engine).load_checkpoint))
-
-    def load_own_optimizer_state(*args, **kwargs):
-        """DeepSpeed's load without data-parallel rank 0's optimizer state (load_optimizer_states=False, and its
-        'optimizer' entry kept out of the client state returned): with row blocks the ranks' state shapes differ
-        (uneven rows), and each rank's own file, read after it (wiring._wrap_checkpoints), holds its state."""
-        bound = load_signature.bind(engine, *args, **kwargs)
-        bound.arguments["load_optimizer_states"] = False
-        path, client_state = load(*bound.args[1:], **bound.kwargs)
-        return path, {key: value for key, value in client_state.items() if key != "optimizer"}
-
-    rows_load = load_own_optimizer_state if blocks else load
+    rows_load = _own_optimizer_state_only(engine, load) if blocks else load
     for name, function, original in (("backward", backward_releasing, backward),
                                      ("save_checkpoint", gathered(save), save),
                                      ("load_checkpoint", gathered(rows_load, release.blocks_from_params), load),
@@ -308,6 +297,20 @@ def release_weights(wiring, model_params: list[torch.Tensor], blocks: dict[int, 
     wiring.patches.set(engine, "zero_gather_16bit_weights_on_model_save", lambda: True)
     wiring.patches.set(wiring, "release", release)
     return release
+
+
+def _own_optimizer_state_only(engine, load):
+    """engine.load_checkpoint `load` without data-parallel rank 0's optimizer state (load_optimizer_states=False,
+    and its 'optimizer' entry kept out of the client state returned): with row blocks the ranks' state shapes
+    differ (uneven rows), and each rank's own file, read after it (wiring._wrap_checkpoints), holds its state."""
+    signature = inspect.signature(internals.unwrapped(type(engine).load_checkpoint))
+
+    def load_checkpoint(*args, **kwargs):
+        bound = signature.bind(engine, *args, **kwargs)
+        bound.arguments["load_optimizer_states"] = False
+        path, client_state = load(*bound.args[1:], **bound.kwargs)
+        return path, {key: value for key, value in client_state.items() if key != "optimizer"}
+    return load_checkpoint
 
 
 @contextlib.contextmanager
