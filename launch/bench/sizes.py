@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS / "sizes")
     parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "sizes.csv")
     args = parser.parse_args()
-    every = {c.method.name: c for c in localsteps.configs(args.n_embd, HORIZONS)}
+    every = {c.method.name: c for c in localsteps.configs(args.n_embd, HORIZONS, REPLICAS)}
     unknown = [name for name in args.configs if name not in every]
     if unknown:
         raise SystemExit(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(every)}")
