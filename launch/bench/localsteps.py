@@ -187,14 +187,15 @@ def variants(chosen: list[Config], args) -> list[Config]:
 
 
 def configs(n_embd: int, horizons: tuple[int, ...] = (10, 30, 100), replicas: int = REPLICAS) -> list[Config]:
-    """Every config of the benchmark: the per-step peers, local_defaults at H 30, then DiLoCo, MuLoCo-style and
-    LocalSteps with Sign-Muon, Dion and Muon inside for each outer exchange and H in `horizons` (and Muon with
-    topk at sign_mean block 128's bytes, …_topk_as_sign_mean_b128, and at int4's on `replicas` replicas,
-    …_topk_as_int4)."""
+    """Every config of the benchmark: the per-step peers (issue 42's four), local_defaults at H 30, then DiLoCo,
+    MuLoCo-style and LocalSteps with Sign-Muon, Dion and Muon inside for each outer exchange and H in `horizons`
+    (and Muon with topk at sign_mean block 128's bytes, …_topk_as_sign_mean_b128, and at int4's on `replicas`
+    replicas, …_topk_as_int4)."""
     per_step = {m.name: m for m in runs.methods(n_embd)}
     found = [Config(per_step["ddp_adamw"], "adamw", 0, "mean (fp32 gradients)"),
              Config(per_step["ddp_muon"], "muon", 0, "mean (fp32 gradients)"),
-             Config(per_step["signmuon_lion"], "signmuon", 0, "vote (1 bit, every step)"), local_defaults(30)]
+             Config(per_step["signmuon_lion"], "signmuon", 0, "vote (1 bit, every step)"),
+             Config(per_step["dion_1/4_lion"], "dion", 0, "low rank 1/4 (every step)"), local_defaults(30)]
     for H in horizons:
         found += [local_config(f"diloco_m{m:g}_H{H}", "adamw", H, "mean", m) for m in (0.9, 0.6)]
         found.append(local_config(f"muloco_H{H}", "muon", H, "int4"))
