@@ -78,6 +78,7 @@ class _EngineSide:
     """
 
     backward_overlap_type = EngineBackwardOverlap
+    param_residency = None   # bf16 ZeRO 2/3: the packed fp32 masters (masters.PackedMasters; steps.run_in_place)
 
     def __init__(self, params, *args, max_grad_norm: float = 0.0, zero_stage: int = 0,
                  reduce_bucket_size: int = 500_000_000, node_mesh=None, overlap_backward: bool = False, **kwargs):
@@ -111,6 +112,11 @@ class _EngineSide:
                 raise RuntimeError("the shardopt optimizer is not wired to its DeepSpeed engine: after "
                                    "deepspeed.initialize / accelerator.prepare, call shardopt.deepspeed.attach(engine)")
             return None
+        if self.param_residency is not None and self.backward_overlap is not None:
+            raise RuntimeError("overlap_backward was switched on after the DeepSpeed wiring packed the bf16 fp32 "
+                               "masters (shardopt/deepspeed/masters.py), whose exchange during backward reads them "
+                               "whole; give \"overlap_backward\": true in the config's optimizer params instead, "
+                               "which keeps whole masters")
         params = self._slots()
         if self.zero is not None:
             if self.zero.stage < 2:    # stage 2 reduced after each backward (wiring.EngineWiring)
