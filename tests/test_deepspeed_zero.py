@@ -306,6 +306,38 @@ def test_bf16_packed_masters_train_bitwise_as_whole_masters_in_a_fraction_of_the
         assert 0 < sizes["most_present"] < owned, sizes
 
 
+def _packing_kept_off_and_undone():
+    """bf16 stage 2: with overlap_backward in the config (whole masters); overlap_backward switched on after the wiring
+    packed them (refused); detach() after 2 steps (the masters whole again, as rebuilt)."""
+    _env()
+    config = _config("SignMuon", 2, MESH, precision="bf16")
+    config["optimizer"]["params"]["overlap_backward"] = True
+    engine, *_ = sds.initialize(model=_model(), config=config)
+    overlapping_whole = sds.shard_optimizer(engine).param_residency is None
+    engine, *_ = sds.initialize(model=_model(), config=_config("SignMuon", 2, MESH, precision="bf16"))
+    ours = sds.shard_optimizer(engine)
+    _steps(engine, 2)
+    with masters.all_present(ours.wiring):
+        rebuilt = [fp32.clone() for _, fp32 in ours.wiring.masters if fp32.numel()]
+    owned = [fp32 for slot, (_, fp32) in enumerate(ours.wiring.masters) if ours.zero.owns(slot)]
+    try:
+        ours.overlap_backward = True
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    sds.detach(engine)
+    whole = all(fp32.is_contiguous() and fp32.untyped_storage().nbytes() == 4 * fp32.numel() for fp32 in owned)
+    same = all(torch.equal(a, b) for a, b in zip(rebuilt, owned))
+    return overlapping_whole, refusal, whole, same
+
+
+def test_bf16_masters_stay_whole_with_overlap_backward_and_detach_rebuilds_them(pool):
+    for overlapping_whole, refusal, whole, same in pool.run(_packing_kept_off_and_undone, timeout_s=TIMEOUT_S):
+        assert overlapping_whole
+        assert refusal is not None and "overlap_backward" in refusal and "config's optimizer params" in refusal
+        assert whole and same
+
+
 def _save_and_resume(directory, config):
     """An engine saved after 3 steps and continued for 3 more; a fresh one (on other weights) loading that save."""
     saving, *_ = sds.initialize(model=_model(), config=config)

@@ -100,6 +100,18 @@ class _EngineSide:
                                   window_bytes=self.bucket_bytes) if node_mesh is not None else None
         self.overlap_backward = overlap_backward
 
+    def _switch_overlap_backward(self, value: bool) -> None:
+        """ShardOptimizer's overlap_backward setter, refusing to switch it on over packed bf16 masters (masters.py)."""
+        if value and self.param_residency is not None:
+            raise ValueError("overlap_backward=True after the DeepSpeed wiring packed the bf16 fp32 masters "
+                             "(shardopt/deepspeed/masters.py): the exchange during backward reads them whole; give "
+                             "\"overlap_backward\": true in the config's optimizer params instead, which keeps whole "
+                             "masters")
+        ShardOptimizer.overlap_backward.fset(self, value)
+
+    overlap_backward = property(ShardOptimizer.overlap_backward.fget, _switch_overlap_backward,
+                                doc=ShardOptimizer.overlap_backward.__doc__)
+
     def _slots(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
@@ -112,11 +124,6 @@ class _EngineSide:
                 raise RuntimeError("the shardopt optimizer is not wired to its DeepSpeed engine: after "
                                    "deepspeed.initialize / accelerator.prepare, call shardopt.deepspeed.attach(engine)")
             return None
-        if self.param_residency is not None and self.backward_overlap is not None:
-            raise RuntimeError("overlap_backward was switched on after the DeepSpeed wiring packed the bf16 fp32 "
-                               "masters (shardopt/deepspeed/masters.py), whose exchange during backward reads them "
-                               "whole; give \"overlap_backward\": true in the config's optimizer params instead, "
-                               "which keeps whole masters")
         params = self._slots()
         if self.zero is not None:
             if self.zero.stage < 2:    # stage 2 reduced after each backward (wiring.EngineWiring)
