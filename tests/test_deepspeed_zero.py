@@ -258,11 +258,11 @@ def _count_present(packed) -> dict:
     return present
 
 
-def _packed_against_whole_masters(optimizer):
-    """6 steps of bf16 ZeRO 2 on 2×2 with the masters packed (the default) and kept whole; bucket_bytes 512: each
-    matrix a bucket of its own, the biases cut across AdamW's buckets (a master read by two buckets)."""
+def _packed_against_whole_masters(optimizer, stage):
+    """6 steps of bf16 ZeRO 2 or 3 on 2×2 with the masters packed (the default) and kept whole; bucket_bytes 512:
+    each matrix a bucket of its own, the biases cut across AdamW's buckets (a master read by two buckets)."""
     _env()
-    config = _config(optimizer, 2, MESH, precision="bf16")
+    config = _config(optimizer, stage, MESH, precision="bf16")
     config["optimizer"]["params"]["bucket_bytes"] = 512
     runs = []
     for packed in (True, False):
@@ -274,9 +274,10 @@ def _packed_against_whole_masters(optimizer):
         present = _count_present(ours.param_residency) if packed else _whole_masters(ours)
         losses = [_steps(engine, 1) for _ in range(6)]
         most_present = present["most"] if packed else None   # (all_present rebuilds every master: not a step's)
-        with masters.all_present(ours.wiring):
+        with masters.all_present(ours.wiring), sds.gathered_weights(engine):
             values = [fp32.clone() for _, fp32 in ours.wiring.masters]
-        runs.append({"losses": losses, "weights": [p.detach().clone() for p in engine.module.parameters()],
+            weights = [p.detach().clone() for p in engine.module.parameters()]
+        runs.append({"losses": losses, "weights": weights,
                      "masters": values, "norm": float(engine.get_global_grad_norm()), "owned": owned, "kept": kept,
                      "storage": storage, "most_present": most_present,
                      "consistent": ours.replicas_consistent()})
@@ -291,13 +292,14 @@ def _packed_against_whole_masters(optimizer):
             {key: packed[key] for key in ("owned", "kept", "storage", "most_present")}, packed["losses"])
 
 
-@pytest.mark.parametrize("optimizer", ["SignMuon", "Dion"])
-def test_bf16_packed_masters_train_bitwise_as_whole_masters_in_a_fraction_of_the_bytes(pool, optimizer):
-    """masters.PackedMasters: losses, model weights, fp32 masters and grad norm after 6 steps are bitwise those of
-    whole masters; between steps an owned master takes 2 bytes and a bit per element (a 4-byte placeholder per tensor,
-    not 4 bytes per element); during the step only the buckets in flight hold rebuilt masters."""
+@pytest.mark.parametrize("optimizer,stage", [("SignMuon", 2), ("Dion", 2), ("SignMuon", 3)])
+def test_bf16_packed_masters_train_bitwise_as_whole_masters_in_a_fraction_of_the_bytes(pool, optimizer, stage):
+    """masters.PackedMasters (stage 3 shares the masters path): losses, model weights, fp32 masters and grad norm
+    after 6 steps are bitwise those of whole masters; between steps an owned master takes 2 bytes and a bit per
+    element (a 4-byte placeholder per tensor, not 4 bytes per element); during the step only the buckets in flight
+    hold rebuilt masters."""
     for same_losses, same_weights, same_masters, same_norm, consistent, sizes, losses in pool.run(
-            _packed_against_whole_masters, optimizer, timeout_s=TIMEOUT_S):
+            _packed_against_whole_masters, optimizer, stage, timeout_s=TIMEOUT_S):
         assert same_losses and same_weights and same_masters and same_norm and consistent
         assert losses[-1] < losses[0], losses
         owned = sizes["owned"]

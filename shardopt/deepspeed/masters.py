@@ -10,7 +10,7 @@ the params it owns, so `own_masters_only` changes, each recorded in the wiring's
 | wrapper `fp32_groups` | the owned masters only: its step unscales their gradients, nothing for the others |
 | wrapper `fp16_groups` | the owned masters too, in place of their model params: the node mean that backward reduces to this rank is the master's fp32 gradient itself (`gradient_holders`, zero.BackwardReducer), which the step's `fp16.grad.to(fp32)` leaves as it is (no bf16 copy beside it); its copy back into `fp16_groups` is a no-op |
 | the masters of other ranks' slots | their storage dropped (0 elements; the optimizer keeps them as slots without gradient) |
-| `ZeroPartition.weights` | the model's params: the all-gather after the step goes straight into them, in their dtype, and the owned slots' masters are copied into theirs (rounded as the wrapper's copy rounds them: bitwise the same weights) |
+| `ZeroPartition.weights` | the model's params: the all-gather after the step goes straight into them, in their dtype, and the owned slots' masters are copied into theirs (rounded as the wrapper's copy rounds them: bitwise the same weights; bf16: written by the packing instead, `owned_weights_written`) |
 | wrapper `refresh_fp32_params` | the owned masters from their model params (DeepSpeed's would copy each master onto itself) |
 | wrapper `load_state_dict` | the loss scale only: data-parallel rank 0's optimizer state and masters fit its own slots, not this rank's; each rank's own come from its files (wiring.py) |
 
