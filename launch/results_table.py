@@ -178,8 +178,9 @@ SOURCES = {
                                   "Bytes per parameter per rank, the DeepSpeed plugin's Sign-Muon bf16 at ZeRO 2 against "
                                   "DeepSpeed's own ZeRO 2 AdamW bf16 measured in the same launch (GPT of 12.7M params, 4 "
                                   "CPU ranks, largest over the ranks), all rows in one run: `before` the plugin at 3ff95c7 "
-                                  "(the stage-0 wrapper's masters), `owned-masters` at b72af4c, `after` this code, on the "
-                                  "2 × 2 mesh and on 1 × 4 (one partition over the 4 ranks, as DeepSpeed's). weights.."
+                                  "(the stage-0 wrapper's masters), `owned-masters` at b72af4c, `node-mean` at 160f850 (the fp32 "
+                                  "node mean on the owned masters), `after` this code (bf16 masters packed between steps), on "
+                                  "the 2 × 2 mesh and on 1 × 4 (one partition over the 4 ranks, as DeepSpeed's). weights.."
                                   "total: the tensors held (a walk of the engine, wrapper and optimizer; largest over 3 "
                                   "moments); step_peak: the optimizer step's RSS high-water mark above what was held "
                                   "before it (shardopt's bucket_bytes 1 MiB); device_peak: the allocator's peak, CUDA only."),
