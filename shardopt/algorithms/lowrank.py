@@ -76,8 +76,9 @@ def unit_roundoff(P: torch.Tensor) -> float:
 def dither_size(method: str, P: torch.Tensor) -> float:
     """The dither δ for P (..., a, r), in units of u: "rcqr" 8·u (the sketch's QR handles any κ(P) up to about
     1/u; the dither only has to lift exact zeros); "cholesky" 4·√(a·r)·u, so that after the shifted pass
-    κ(Q₁) ≈ √(s)/σ_min(P + τΩ) ≈ √(a·r·u)/δ = 1/(4·√u) stays within Cholesky-QR2's reach. Both are the
-    docs/tuning.md measurements' smallest working sizes (2·√(a·r)·u and 2·u) doubled or more."""
+    κ(Q₁) ≈ √(s)/σ_min(P + τΩ) ≈ √(a·r·u)/δ = 1/(4·√u) stays within Cholesky-QR2's reach. Both are at least
+    twice the smallest sizes that factored every rank-deficient and κ ≤ 1e12 float32 test matrix at
+    a ≤ 4096, r ≤ 256 (2·√(a·r)·u and 1e-7 ≈ 1.7·u; 0.75·√(a·r)·u failed at 768×64)."""
     a, r = P.shape[-2:]
     return unit_roundoff(P) * (8 if method == "rcqr" else 4 * math.sqrt(a * r))
 
@@ -108,30 +109,31 @@ def shifted_cholesky_qr3(P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     on Q₁, whose condition number the shift has brought within their reach (κ(Q₁) ≲ √s/σ_min(P)). Returns
     (Q, every factorization succeeded (...,))."""
     shift = P.shape[-2] * unit_roundoff(P) * P.square().sum(dim=(-2, -1))
-    Q, factored = cholesky_qr_pass(P, shift)
-    for _ in range(2):
-        Q, ok = cholesky_qr_pass(Q)
-        factored = factored & ok
-    return Q, factored
+    Q, shifted = cholesky_qr_pass(P, shift)
+    Q, factored = cholesky_qr2(Q)
+    return Q, shifted & factored
+
+
+def cholesky_qr2(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two unshifted Cholesky-QR passes on X (..., a, r): Q = X₁·L₂⁻ᵀ, X₁ = X·L₁⁻ᵀ, LₖLₖᵀ = Xₖ₋₁ᵀXₖ₋₁ (the
+    second restores the orthogonality the first loses, ~u·κ(X)²). Returns (Q, both succeeded (...,))."""
+    X, first = cholesky_qr_pass(X)
+    Q, second = cholesky_qr_pass(X)
+    return Q, first & second
 
 
 def randomized_cholesky_qr(P: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Randomized Cholesky-QR (the Dion paper's) for P (..., a, r): a Gaussian sketch S (s×a, N(0, 1/s),
     s = ceil(1.25·r/128)·128 rows, from `generator`) gives R from Householder QR(S·P); P₁ = P·R⁻¹ is well
-    conditioned (κ = O(1) for κ(P) up to about 1/u) and two Cholesky-QR passes finish it: Q = P₂·L₂⁻ᵀ,
-    P₂ = P₁·L₁⁻ᵀ, LₖLₖᵀ = PₖᵀPₖ (one pass leaves ‖QᵀQ − I‖ up to ~1e-4 in float32 at κ(P) ≥ 1e8; two reach
-    Householder's ~1e-6, docs/tuning.md). Cost O(s·a·r + a·r²) in matmuls instead of Householder's sequential
-    O(a·r²). Returns (Q, both factorizations succeeded (...,))."""
+    conditioned (κ = O(1) for κ(P) up to about 1/u) and `cholesky_qr2` finishes it (one pass is not enough in
+    float32: it left ‖QᵀQ − I‖ at 2e-4 on a rank-64 1024×128 P, two reach Householder's ~1e-6). Cost
+    O(s·a·r + a·r²) in matmuls instead of Householder's sequential O(a·r²). Returns (Q, both factorizations
+    succeeded (...,))."""
     a, r = P.shape[-2:]
     rows = math.ceil(RCQR_OVERSAMPLE * r / 128) * 128
     sketch = torch.randn((*P.shape[:-2], rows, a), generator=generator, dtype=P.dtype, device=P.device)
     R = torch.linalg.qr((sketch / math.sqrt(rows)) @ P, mode="r").R
-    Q = torch.linalg.solve_triangular(R, P, upper=True, left=False)
-    factored = torch.ones(P.shape[:-2], dtype=torch.bool, device=P.device)
-    for _ in range(2):
-        Q, ok = cholesky_qr_pass(Q)
-        factored = factored & ok
-    return Q, factored
+    return cholesky_qr2(torch.linalg.solve_triangular(R, P, upper=True, left=False))
 
 
 def column_normalize(R: torch.Tensor, col_sq_norms: torch.Tensor, Q_prev: torch.Tensor,
