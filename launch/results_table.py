@@ -152,6 +152,16 @@ SOURCES = {
                        "limit): each op's self CPU time in the profiled steps (torch.profiler), summed by category, "
                        "and its share of the profiled optimizer step; step_ms and opt_step_ms are the unprofiled "
                        "steps' medians (the DDP script logs no optimizer time)."),
+    "orthonormalize.csv": ("python launch/bench/orthonormalize.py",
+                           "Dion's orthonormalization per qr_method in float32 on the CPU, stacks of 2 P (a×r) per "
+                           "matrix class: the worst ‖QᵀQ − I‖₂ and ‖P − Q·QᵀP‖_F/‖P‖_F, the fewest singular values "
+                           "of Q above 1/2 (r = full rank) and the matrices zeroed on the device (an all-zero P is "
+                           "always zeroed). None of the methods reads a value back to the host."),
+    "orthonormalize_dion.csv": ("python launch/bench/orthonormalize.py",
+                                "Dion (rank_fraction 1/4, r = 64) fitting a 3-layer MLP student to a random teacher, "
+                                "one run per qr_method from the same weights and batches; batch 8 makes the first "
+                                "P exactly rank deficient. weights_vs_qr: the largest ‖X − X_qr‖/‖X_qr‖ over the "
+                                "layers against the Householder run."),
     "step_collectives.csv": ("python launch/bench/step_ops.py",
                              "The collectives of the steps in step_ops.csv: kind, dtype and device of the tensor "
                              "handed to torch.distributed, calls per step (GPT-2 small, fake process group; on a "
