@@ -75,16 +75,18 @@ def add_renamed(parser: argparse.ArgumentParser, new: str, old: str, **kwargs) -
                         help=argparse.SUPPRESS)
 
 
-def parse_args(parser: argparse.ArgumentParser, *default_files: Path) -> argparse.Namespace:
-    """The options: defaults from `default_files` (later over earlier), then each --config file, then the
-    command line. A --config key that no default file has is an error naming the known ones."""
+def parse_args(parser: argparse.ArgumentParser, *default_files: Path, **derived) -> argparse.Namespace:
+    """The options: defaults from `default_files` (later over earlier) and `derived` (values read from the
+    library, e.g. an optimizer's signature, so no file repeats them), then each --config file, then the command
+    line. A --config key that no default has is an error naming the known ones."""
     defaults = {}
     for path in default_files:
         defaults |= json.loads(Path(path).read_text())
+    defaults |= derived
     parser.add_argument("--config", type=Path, action="append", default=[], metavar="JSON",
                         help="a JSON file of option values over the defaults "
-                             f"({', '.join(Path(p).resolve().relative_to(ROOT).as_posix() for p in default_files)}); "
-                             "the command line overrides it")
+                             f"({', '.join(Path(p).resolve().relative_to(ROOT).as_posix() for p in default_files)}"
+                             f"{' and the library signatures' if derived else ''}); the command line overrides it")
     parser.set_defaults(**defaults)
     configs = argparse.ArgumentParser(add_help=False)
     configs.add_argument("--config", type=Path, action="append", default=[])

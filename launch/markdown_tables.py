@@ -166,11 +166,17 @@ def localsteps_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def unsynced(row: dict) -> str:
+    """The method cell's note for a row that evaluated one replica's model (results/sizes.csv's final_model)."""
+    return "" if row.get("final_model", "synced") in ("synced", "") else "; rank 0's model"
+
+
 def sizes_gap_table(rows: list[dict], fewest_x: float = 1000.0) -> str:
     """results/sizes.csv's summary: per size and steps, the per-step references (ddp_adamw, ddp_muon,
-    signmuon_lion), local_defaults, the best LocalSteps row (lowest final val loss over every local-steps config,
-    lr and seed) and the best of those at ≥ `fewest_x` × fewer link bytes per token than DDP fp32; each with its
-    gap (final val loss − the reference's best) to ddp_adamw and ddp_muon, and the spread over its runs."""
+    signmuon_lion), local_defaults (and local_defaults_m0.6: the earlier defaults, outer momentum 0.6), the best
+    LocalSteps row (lowest final val loss over every local-steps config, lr and seed) and the best of those at
+    ≥ `fewest_x` × fewer link bytes per token than DDP fp32; each with its gap (final val loss − the reference's
+    best) to ddp_adamw and ddp_muon, and the spread over its runs (a row that evaluated rank 0's model says so)."""
     lines = ["| size (params) | steps (tokens/param) | row | method | final val loss (runs: spread) | x fewer link "
              "bytes | gap to ddp_adamw | gap to ddp_muon |", "|---|---:|---|---|---:|---:|---:|---:|"]
     for size, steps in dict.fromkeys((r["size"], int(r["steps"])) for r in rows):
@@ -180,7 +186,7 @@ def sizes_gap_table(rows: list[dict], fewest_x: float = 1000.0) -> str:
             return min(chosen, key=lambda r: float(r["final_val_loss"])) if chosen else None
         local = [r for r in mine if r["H"] != "0" and r["x_fewer_bytes"]]
         picks = {name: best([r for r in mine if r["method"] == name])
-                 for name in ("ddp_adamw", "ddp_muon", "signmuon_lion", "local_defaults")}
+                 for name in ("ddp_adamw", "ddp_muon", "signmuon_lion", "local_defaults", "local_defaults_m0.6")}
         picks["best local steps"] = best(local)
         picks[f"best at ≥ {fewest_x:,.0f}×"] = best([r for r in local if float(r["x_fewer_bytes"]) >= fewest_x])
         for label, r in picks.items():
@@ -191,7 +197,7 @@ def sizes_gap_table(rows: list[dict], fewest_x: float = 1000.0) -> str:
                     for ref in (picks["ddp_adamw"], picks["ddp_muon"])]
             x = f"{float(r['x_fewer_bytes']):,.0f}×" if r["x_fewer_bytes"] else "–"
             lines.append(f"| {size} ({int(r['params']) / 1e6:.2f} M) | {steps} ({int(r['tokens']) / int(r['params']):.2f}) "
-                         f"| {label} | {r['method']} (lr {r['lr']}) | {float(r['final_val_loss']):.3f} ({len(losses)}: "
+                         f"| {label} | {r['method']} (lr {r['lr']}{unsynced(r)}) | {float(r['final_val_loss']):.3f} ({len(losses)}: "
                          f"{min(losses):.3f}–{max(losses):.3f}) | {x} | {gaps[0]} | {gaps[1]} |")
     return "\n".join(lines)
 

@@ -152,6 +152,16 @@ SOURCES = {
                        "limit): each op's self CPU time in the profiled steps (torch.profiler), summed by category, "
                        "and its share of the profiled optimizer step; step_ms and opt_step_ms are the unprofiled "
                        "steps' medians (the DDP script logs no optimizer time)."),
+    "orthonormalize.csv": ("python launch/bench/orthonormalize.py",
+                           "Dion's orthonormalization per qr_method in float32 on the CPU, stacks of 2 P (a×r) per "
+                           "matrix class: the worst ‖QᵀQ − I‖₂ and ‖P − Q·QᵀP‖_F/‖P‖_F, the fewest singular values "
+                           "of Q above 1/2 (r = full rank) and the matrices zeroed on the device (an all-zero P is "
+                           "always zeroed). None of the methods reads a value back to the host."),
+    "orthonormalize_dion.csv": ("python launch/bench/orthonormalize.py",
+                                "Dion (rank_fraction 1/4, r = 64) fitting a 3-layer MLP student to a random teacher, "
+                                "one run per qr_method from the same weights and batches; batch 8 makes the first "
+                                "P exactly rank deficient. weights_vs_qr: the largest ‖X − X_qr‖/‖X_qr‖ over the "
+                                "layers against the Householder run."),
     "step_collectives.csv": ("python launch/bench/step_ops.py",
                              "The collectives of the steps in step_ops.csv: kind, dtype and device of the tensor "
                              "handed to torch.distributed, calls per step (GPT-2 small, fake process group; on a "
@@ -178,8 +188,9 @@ SOURCES = {
                                   "Bytes per parameter per rank, the DeepSpeed plugin's Sign-Muon bf16 at ZeRO 2 against "
                                   "DeepSpeed's own ZeRO 2 AdamW bf16 measured in the same launch (GPT of 12.7M params, 4 "
                                   "CPU ranks, largest over the ranks), all rows in one run: `before` the plugin at 3ff95c7 "
-                                  "(the stage-0 wrapper's masters), `owned-masters` at b72af4c, `after` this code, on the "
-                                  "2 × 2 mesh and on 1 × 4 (one partition over the 4 ranks, as DeepSpeed's). weights.."
+                                  "(the stage-0 wrapper's masters), `owned-masters` at b72af4c, `node-mean` at 160f850 (the fp32 "
+                                  "node mean on the owned masters), `after` this code (bf16 masters packed between steps), on "
+                                  "the 2 × 2 mesh and on 1 × 4 (one partition over the 4 ranks, as DeepSpeed's). weights.."
                                   "total: the tensors held (a walk of the engine, wrapper and optimizer; largest over 3 "
                                   "moments); step_peak: the optimizer step's RSS high-water mark above what was held "
                                   "before it (shardopt's bucket_bytes 1 MiB); device_peak: the allocator's peak, CUDA only."),

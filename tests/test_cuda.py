@@ -3,6 +3,7 @@
 Pinned here, on the GPU: Newton–Schulz in bf16 (the CUDA default) close to the float64
 reference; Dion (Householder and randomized Cholesky-QR; bf16 matmul inputs, the CUDA default, and fp32)
 against the float64 reference;
+Dion's orthonormalization (every qr_method) makes no host sync that torch's sync debug mode sees;
 Sign-Muon moves every entry by exactly lr; fp32 state for bf16 params; compiled Newton–Schulz
 equal to eager; every state tensor stays on the parameter's device; the tie coins are the CPU's bits.
 """
@@ -24,6 +25,25 @@ def test_polar_bf16_default_on_cuda_close_to_float64_reference():
     assert U.dtype == torch.bfloat16 and U.device.type == "cuda"
     want = torch.stack([reference.newton_schulz(g) for g in G])
     assert ((U.double().cpu() - want).norm() / want.norm()).item() <= 5e-2   # bf16: ~2.5e-2 measured on CPU
+
+
+@pytest.mark.parametrize("qr_method", ["qr", "cholesky", "rcqr"])
+def test_orthonormalize_on_cuda_makes_no_host_sync(qr_method):
+    """torch.cuda.set_sync_debug_mode("error") raises on every sync torch makes (a device value read back, a
+    blocking copy): none for a Gaussian, a rank-deficient (zero columns) and an all-zero P. A sync inside
+    cuSOLVER or MAGMA is not seen by it."""
+    P = torch.randn(3, 768, 64, generator=torch.Generator().manual_seed(0)).to(CUDA)
+    P[1, :, ::3] = 0
+    P[2] = 0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        Q = shardopt.algorithms.lowrank.orthonormalize(P, qr_method, seed=1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    eye = torch.eye(64, device=CUDA)
+    assert torch.allclose(Q[:2].mT @ Q[:2], eye.expand(2, 64, 64), atol=1e-5)
+    assert torch.equal(Q[2], torch.zeros_like(Q[2]))
 
 
 # Dion's params after 5 steps against the float64 reference, relative (docs/tuning.md "Dion on a GPU"): fp32

@@ -26,6 +26,7 @@ deepspeed = pytest.importorskip("deepspeed")  # imported before the pool forks: 
 pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")   # the CPU op compiled before the pool forks
 
 import shardopt.deepspeed as sds  # noqa: E402
+from shardopt.deepspeed import masters  # noqa: E402
 from shardopt.optim import traffic  # noqa: E402
 from shardopt.wire.comm import Axis, collective_bytes, split_world  # noqa: E402
 from shardopt.optim.guard import replicas_equal  # noqa: E402
@@ -214,7 +215,8 @@ def _bf16_stage2_gradients_at_the_step(mesh):
     held = sum(grad.numel() * grad.element_size() for grad, _ in seen["masters"] if grad is not None)
     owned_elements = sum(n for (_, n), mine in zip(seen["masters"], owned) if mine)
     others = [grad for (grad, _), mine in zip(seen["masters"], owned) if not mine]
-    follow = all(torch.equal(lp, fp32.to(lp.dtype)) for lp, fp32 in ours.wiring.masters if fp32.numel())
+    with masters.all_present(ours.wiring):   # the packed bf16 masters rebuilt (masters.PackedMasters)
+        follow = all(torch.equal(lp, fp32.to(lp.dtype)) for lp, fp32 in ours.wiring.masters if fp32.numel())
     return all(g is None for g in seen["model"]), exact, finer_than_bf16, held, owned_elements, others, follow
 
 
@@ -230,6 +232,112 @@ def test_bf16_stage_2_steps_the_exact_fp32_node_mean_on_the_owned_masters_only(p
         assert finer_than_bf16 and follow
         assert held == 4 * owned_elements
         assert all(g is None for g in others) and (bool(others) == (mesh["shard"] > 1))
+
+
+def _whole_masters(ours) -> None:
+    """The path fp16 keeps (whole fp32 masters, the step's copy into the owned weights) on a wired bf16 optimizer."""
+    ours.param_residency.unpack_all()
+    ours.param_residency = None
+    ours.zero.owned_weights_written = False
+
+
+def _count_present(packed) -> dict:
+    """Counts the elements of the masters rebuilt at once ("most") while `packed` (a PackedMasters) steps."""
+    present, unpack, pack = {"now": 0, "most": 0}, packed.unpack, packed.pack
+
+    def counting_unpack(master):
+        present["now"] += master.numel() if master in packed.packed else 0
+        present["most"] = max(present["most"], present["now"])
+        unpack(master)
+
+    def counting_pack(master):
+        pack(master)
+        present["now"] -= master.numel()
+
+    packed.unpack, packed.pack = counting_unpack, counting_pack
+    return present
+
+
+def _packed_against_whole_masters(optimizer, stage):
+    """6 steps of bf16 ZeRO 2 or 3 on 2×2 with the masters packed (the default) and kept whole; bucket_bytes 512:
+    each matrix a bucket of its own, the biases cut across AdamW's buckets (a master read by two buckets)."""
+    _env()
+    config = _config(optimizer, stage, MESH, precision="bf16")
+    config["optimizer"]["params"]["bucket_bytes"] = 512
+    runs = []
+    for packed in (True, False):
+        engine, *_ = sds.initialize(model=_model(), config=config)
+        ours = sds.shard_optimizer(engine)
+        owned = sum(fp32.numel() for slot, (_, fp32) in enumerate(ours.wiring.masters) if ours.zero.owns(slot))
+        kept = sum(low.numel() * low.element_size() + bits.numel() for low, bits in ours.param_residency.packed.values())
+        storage = sum(fp32.untyped_storage().nbytes() for _, fp32 in ours.wiring.masters if fp32.numel())
+        present = _count_present(ours.param_residency) if packed else _whole_masters(ours)
+        losses = [_steps(engine, 1) for _ in range(6)]
+        most_present = present["most"] if packed else None   # (all_present rebuilds every master: not a step's)
+        with masters.all_present(ours.wiring), sds.gathered_weights(engine):
+            values = [fp32.clone() for _, fp32 in ours.wiring.masters]
+            weights = [p.detach().clone() for p in engine.module.parameters()]
+        runs.append({"losses": losses, "weights": weights,
+                     "masters": values, "norm": float(engine.get_global_grad_norm()), "owned": owned, "kept": kept,
+                     "storage": storage, "most_present": most_present,
+                     "consistent": ours.replicas_consistent()})
+    packed, whole = runs
+
+    def bitwise(a, b):
+        return all(x.shape == y.shape and torch.equal(x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32),
+                                                      y.view(torch.int16 if y.dtype == torch.bfloat16 else torch.int32))
+                   for x, y in zip(a, b))
+    return (packed["losses"] == whole["losses"], bitwise(packed["weights"], whole["weights"]),
+            bitwise(packed["masters"], whole["masters"]), packed["norm"] == whole["norm"], packed["consistent"],
+            {key: packed[key] for key in ("owned", "kept", "storage", "most_present")}, packed["losses"])
+
+
+@pytest.mark.parametrize("optimizer,stage", [("SignMuon", 2), ("Dion", 2), ("SignMuon", 3)])
+def test_bf16_packed_masters_train_bitwise_as_whole_masters_in_a_fraction_of_the_bytes(pool, optimizer, stage):
+    """masters.PackedMasters (stage 3 shares the masters path): losses, model weights, fp32 masters and grad norm
+    after 6 steps are bitwise those of whole masters; between steps an owned master takes 2 bytes and a bit per
+    element (a 4-byte placeholder per tensor, not 4 bytes per element); during the step only the buckets in flight
+    hold rebuilt masters."""
+    for same_losses, same_weights, same_masters, same_norm, consistent, sizes, losses in pool.run(
+            _packed_against_whole_masters, optimizer, stage, timeout_s=TIMEOUT_S):
+        assert same_losses and same_weights and same_masters and same_norm and consistent
+        assert losses[-1] < losses[0], losses
+        owned = sizes["owned"]
+        assert owned > 0 and 2 * owned + owned / 8 <= sizes["kept"] < 2 * owned + owned / 8 + 16, sizes
+        assert sizes["storage"] < 0.05 * 4 * owned, sizes     # the placeholders: 4 bytes per owned tensor
+        assert 0 < sizes["most_present"] < owned, sizes
+
+
+def _packing_kept_off_and_undone():
+    """bf16 stage 2: with overlap_backward in the config (whole masters); overlap_backward switched on after the wiring
+    packed them (refused); detach() after 2 steps (the masters whole again, as rebuilt)."""
+    _env()
+    config = _config("SignMuon", 2, MESH, precision="bf16")
+    config["optimizer"]["params"]["overlap_backward"] = True
+    engine, *_ = sds.initialize(model=_model(), config=config)
+    overlapping_whole = sds.shard_optimizer(engine).param_residency is None
+    engine, *_ = sds.initialize(model=_model(), config=_config("SignMuon", 2, MESH, precision="bf16"))
+    ours = sds.shard_optimizer(engine)
+    _steps(engine, 2)
+    with masters.all_present(ours.wiring):
+        rebuilt = [fp32.clone() for _, fp32 in ours.wiring.masters if fp32.numel()]
+    owned = [fp32 for slot, (_, fp32) in enumerate(ours.wiring.masters) if ours.zero.owns(slot)]
+    try:
+        ours.overlap_backward = True
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    sds.detach(engine)
+    whole = all(fp32.is_contiguous() and fp32.untyped_storage().nbytes() == 4 * fp32.numel() for fp32 in owned)
+    same = all(torch.equal(a, b) for a, b in zip(rebuilt, owned))
+    return overlapping_whole, refusal, whole, same
+
+
+def test_bf16_masters_stay_whole_with_overlap_backward_and_detach_rebuilds_them(pool):
+    for overlapping_whole, refusal, whole, same in pool.run(_packing_kept_off_and_undone, timeout_s=TIMEOUT_S):
+        assert overlapping_whole
+        assert refusal is not None and "overlap_backward" in refusal and "config's optimizer params" in refusal
+        assert whole and same
 
 
 def _save_and_resume(directory, config, build_model=_model):
@@ -256,9 +364,11 @@ def _checkpoint_resumes(directory, stage, precision="fp32"):
     diff = max((a - b).abs().max().item() for a, b in zip(saving.module.parameters(), resumed.module.parameters()))
     own_file = os.path.exists(os.path.join(directory, "step3", f"shardopt_zero_rank{dist.get_rank()}.safetensors"))
     if precision == "bf16":   # the fp32 master copies too: only this rank's own, bitwise those of the saving run
-        masters = [(a, b) for a, b in zip(sds.shard_optimizer(saving)._slots(), sds.shard_optimizer(resumed)._slots())]
-        diff = max([diff] + [(a - b).abs().max().item() for a, b in masters if a.numel() or b.numel()])
-        owned_state = (owned_state, sum(a.numel() for a, _ in masters))
+        pairs = [(a, b) for a, b in zip(sds.shard_optimizer(saving)._slots(), sds.shard_optimizer(resumed)._slots())]
+        with masters.all_present(sds.shard_optimizer(saving).wiring), \
+                masters.all_present(sds.shard_optimizer(resumed).wiring):
+            diff = max([diff] + [(a - b).abs().max().item() for a, b in pairs if a.numel() or b.numel()])
+        owned_state = (owned_state, sum(a.numel() for a, _ in pairs))
     return path is not None, own_file, diff, owned_state, len(sds.shard_optimizer(saving).state)
 
 

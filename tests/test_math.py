@@ -12,7 +12,7 @@ from reference import newton_schulz
 from shardopt.wire.comm import Axes, Axis
 from shardopt.algorithms.elementwise import adamw_update
 from shardopt.wire.exchange import Vote
-from shardopt.algorithms.lowrank import column_normalize, dion_rank, orthonormalize
+from shardopt.algorithms.lowrank import column_normalize, dion_rank, dither_size, orthonormalize
 from shardopt.algorithms.nonmatrix import lion_step
 from shardopt.algorithms.polar import polar
 from shardopt.optim.schedule import complete
@@ -184,13 +184,57 @@ def test_orthonormalize_zero_matrix_stays_zero_in_batch(method):
     assert torch.isfinite(Q).all()
 
 
-def test_orthonormalize_cholesky_falls_back_when_gram_is_singular():
-    P = gaussian(20, 4, seed=4)
-    P[:, 2] = 0                                                   # PᵀP singular: Cholesky must fail
-    Q = orthonormalize(P, "cholesky")
-    assert torch.isfinite(Q).all()
-    assert torch.allclose(Q @ (Q.T @ P), P, atol=1e-10)
-    assert torch.allclose(Q.T @ Q, torch.eye(4, dtype=P.dtype), atol=1e-10)
+def rank_deficient(kind, a, r, dtype):
+    """Stacks of 2 P (a, r) that an unguarded Cholesky-QR cannot factor: zero columns, repeated columns, an exact
+    low-rank product made in `dtype` (as a first step's B·Q from a small batch), and P = U·diag(σ)·Vᵀ with
+    σ from 1 down to 1e-12."""
+    P = gaussian(2, a, r, seed=4, dtype=dtype)
+    if kind == "zero columns":
+        P[..., ::3] = 0
+    elif kind == "repeated columns":
+        P[..., 1::2] = P[..., 0::2][..., :r // 2]
+    elif kind == "low rank":
+        P = gaussian(2, a, 2, seed=5, dtype=dtype) @ gaussian(2, 2, r, seed=6, dtype=dtype)
+    else:
+        U, V = torch.linalg.qr(gaussian(2, a, r, seed=7)).Q, torch.linalg.qr(gaussian(2, r, r, seed=8)).Q
+        P = ((U * torch.logspace(0, -12, r, dtype=torch.float64)) @ V.mT).to(dtype)
+    return P
+
+
+@pytest.mark.parametrize("method", ["cholesky", "rcqr"])
+@pytest.mark.parametrize("kind", ["zero columns", "repeated columns", "low rank", "condition 1e12"])
+@pytest.mark.parametrize("dtype, a, r, tol", [(torch.float64, 40, 8, 1e-10), (torch.float32, 768, 64, 1e-5)])
+def test_orthonormalize_cholesky_variants_complete_a_rank_deficient_p_to_an_orthonormal_basis(method, kind, dtype,
+                                                                                            a, r, tol):
+    """No host fallback: the dither makes the factorizations succeed, Q is orthonormal with P in its span (the
+    docs/tuning.md tolerances), and it has full rank r, as Householder's, so Dion's Q keeps rank r."""
+    P = rank_deficient(kind, a, r, dtype)
+    Q = orthonormalize(P, method, seed=3)
+    eye = torch.eye(r, dtype=dtype)
+    assert (torch.linalg.matrix_norm(Q.mT @ Q - eye, ord=2) <= tol).all()
+    residual = torch.linalg.matrix_norm(P - Q @ (Q.mT @ P)) / torch.linalg.matrix_norm(P)
+    assert (residual <= tol + 2 * dither_size(method, P)).all(), residual     # span(P) turns by about δ
+
+
+@pytest.mark.parametrize("method", ["cholesky", "rcqr"])
+def test_orthonormalize_cholesky_variants_give_every_rank_the_same_q_for_the_same_seed(method):
+    P = rank_deficient("zero columns", 64, 8, torch.float32)
+    assert torch.equal(orthonormalize(P, method, seed=9), orthonormalize(P.clone(), method, seed=9))
+
+
+@pytest.mark.parametrize("method", ["cholesky", "rcqr"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_orthonormalize_cholesky_variants_zero_a_non_finite_p_and_leave_the_others(method, bad):
+    """The device-side guard: a matrix whose factorization cannot succeed maps to zeros (a zero Dion update for
+    it), the other matrices of the stack are untouched."""
+    finite = gaussian(3, 30, 5, seed=12, dtype=torch.float32)
+    P = finite.clone()
+    P[1, 4, 2] = bad
+    Q, Q_finite = orthonormalize(P, method), orthonormalize(finite, method)
+    assert torch.equal(Q[1], torch.zeros(30, 5))
+    for i in (0, 2):
+        assert torch.equal(Q[i], Q_finite[i])
+        assert torch.allclose(Q[i].T @ Q[i], torch.eye(5), atol=1e-5)
 
 
 def test_orthonormalize_cholesky_equals_qr_up_to_column_signs():
@@ -212,14 +256,15 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("method, reads", [("qr", 0), ("cholesky", 1), ("rcqr", 1)])
-def test_orthonormalize_reads_the_device_once_per_call_for_a_cholesky_variant_none_for_qr(method, reads):
-    """What docs/tuning.md says: the Cholesky variants read their factorizations' `info` back once per call (both
-    passes of "cholesky" in one read), whether or not they fall back; Householder QR reads nothing."""
-    for P in (gaussian(4, 40, 6, seed=1), torch.zeros(2, 40, 6, dtype=torch.float64)):
+@pytest.mark.parametrize("method", ["qr", "cholesky", "rcqr"])
+def test_orthonormalize_reads_nothing_back_to_the_host(method):
+    """What docs/tuning.md says: no method hands a value to Python (a device sync on a GPU), whether its
+    factorization succeeds (Gaussian P), needs the dither (zero columns) or the guard (all-zero P)."""
+    for P in (gaussian(4, 40, 6, seed=1), rank_deficient("zero columns", 40, 6, torch.float64),
+              torch.zeros(2, 40, 6, dtype=torch.float64)):
         with HostReads() as counted:
             orthonormalize(P, method)
-        assert counted.reads == reads
+        assert counted.reads == 0
 
 
 def test_orthonormalize_rejects_unknown_method():

@@ -189,9 +189,9 @@ class _Model(torch.nn.Module):
         return self.head(h)
 
 
-def _model_run(matrix_algorithm, steps=20):
-    """A small model: 2-D weights by `matrix_algorithm`, embedding and head by AdamW, norms and
-    biases by Lion; every replica trains on its own tokens."""
+def _model_run(matrix_algorithm, steps=20, qr_method="qr"):
+    """A small model: 2-D weights by `matrix_algorithm` (Dion with `qr_method`), embedding and head by AdamW,
+    norms and biases by Lion; every replica trains on its own tokens."""
     torch.manual_seed(0)
     model = _Model().double()
     matrices = [model.fc.weight, model.proj.weight]
@@ -201,7 +201,8 @@ def _model_run(matrix_algorithm, steps=20):
               {"params": adamw, "algorithm": "adamw", "lr": 1e-2},
               {"params": lion, "algorithm": "lion", "lr": 1e-3}]
     if matrix_algorithm == "dion":
-        opt = shardopt.Dion(groups, lr=0.02, rank_fraction=0.25, replicate_mesh=dist.group.WORLD, seed=OPT_SEED)
+        opt = shardopt.Dion(groups, lr=0.02, rank_fraction=0.25, replicate_mesh=dist.group.WORLD, seed=OPT_SEED,
+                            qr_method=qr_method)
     else:
         opt = shardopt.SignMuon(groups, lr=0.01, replicate_mesh=dist.group.WORLD, seed=OPT_SEED)
     generator = torch.Generator().manual_seed(dist.get_rank())
@@ -398,6 +399,14 @@ def test_vote_function_tie_rule_and_padded_bytes(pools, world_size, fmt):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_model_with_adamw_and_lion_groups_stays_bit_identical(pools, world_size, matrix_algorithm):
     results = pools(world_size).run(_model_run, matrix_algorithm, timeout_s=TIMEOUT_S)
+    assert all(r["consistent"] for r in results)
+    assert all(torch.equal(r["params"], results[0]["params"]) for r in results)
+
+
+@pytest.mark.parametrize("qr_method", ["cholesky", "rcqr"])
+def test_dion_cholesky_variants_keep_the_replicas_bit_identical(pools, qr_method):
+    """Every rank that orthonormalizes the same P draws the same dither (and sketch) from the shared seed."""
+    results = pools(2).run(_model_run, "dion", 20, qr_method, timeout_s=TIMEOUT_S)
     assert all(r["consistent"] for r in results)
     assert all(torch.equal(r["params"], results[0]["params"]) for r in results)
 

@@ -35,11 +35,13 @@ optimizer state), --grad-accum N (N micro-batches per step; FSDP2 reduce-scatter
 only), --clip MAX (the optimizer's max_grad_norm: every rank scales its gradients by the same
 factor, from a norm agreed over replicas and shards; docs/design.md §5). The lr schedule is a torch.optim.lr_scheduler.LambdaLR (linear warm-up, cosine to 10%) saved in every
 checkpoint. Defaults: integrations/gpt.json (model, data, schedule; shared with launch/bench/train_ddp.py)
-and integrations/fsdp/defaults.json (the rest); --config FILE.json overrides them, the command line both.
+integrations/fsdp/defaults.json (the rest) and LocalSteps' signature (the --outer-* options); --config FILE.json
+overrides them, the command line both.
 """
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import time
@@ -136,7 +138,13 @@ parser.add_argument("--outer-block", type=int, help="local steps: entries per sc
 parser.add_argument("--outer-density", type=float, help="local steps, --outer-exchange topk: the fraction of each "
                     "chunk of --outer-block entries sent")
 fault_tolerant.add_arguments(parser)
-args = training.parse_args(parser, training.GPT_DEFAULTS, Path(__file__).with_name("defaults.json"))
+# local steps' options default to LocalSteps' own (train.py name ← its parameter): one place says them
+LOCAL_STEPS_OPTIONS = {"outer_exchange": "exchange", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
+                       "outer_overlap": "overlap", "fragments": "fragments", "outer_rank_fraction": "rank_fraction",
+                       "outer_block": "block", "outer_density": "density"}
+signature = inspect.signature(shardopt.LocalSteps).parameters
+args = training.parse_args(parser, training.GPT_DEFAULTS, Path(__file__).with_name("defaults.json"),
+                           **{option: signature[name].default for option, name in LOCAL_STEPS_OPTIONS.items()})
 fault_tolerant.check(args, parser)
 args.lr = args.lr_by_optimizer[args.optimizer] if args.lr is None else args.lr
 args.nonmatrix_lr = args.nonmatrix_lr or args.nonmatrix_lr_by_algorithm[args.nonmatrix_algorithm]
@@ -383,4 +391,7 @@ if master and totals["steps"]:
         plot_runs([args.out_dir], args.out_dir / "loss.png",
                   title=f"{args.optimizer}, {args.replicate} replicas × {args.shard} shards")
         log(f"plot: wrote {args.out_dir / 'loss.png'}")
+# the ranks tear their groups down together: one destroying its group while rank 0 still wrote the plot was seen
+# to abort at exit under load ("terminate called without an active exception")
+dist.barrier()
 dist.destroy_process_group()

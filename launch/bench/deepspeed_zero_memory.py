@@ -16,7 +16,9 @@ Two ways to count the same bytes:
       walking their attributes (lists, dicts, DeepSpeed and shardopt objects, the .grad of every tensor met),
       counted once per storage, in the first kind that claims it:
         weights   the module's parameters (DeepSpeed's ZeRO 2 flattens them into one bf16 buffer: that buffer)
-        masters   fp32 master copies (the wrapper's fp32_groups; ZeRO 2's single_partition_of_fp32_groups)
+        masters   fp32 master copies (the wrapper's fp32_groups; ZeRO 2's single_partition_of_fp32_groups; shardopt's
+                  packed bf16 masters between steps: low 16 bits and a rounding bit per entry, the optimizer's
+                  param_residency, whose masters rebuilt per bucket during the step count in step_peak)
         grads     any tensor's .grad, and ZeRO 2's gradient partitions and buckets (averaged_gradients, ipg buffers)
         state     the optimizer's state (momenta, Adam moments, step counters)
         buffers   everything else found (the model's buffers, flat scratch, the plugin's gather buffers)
@@ -112,6 +114,7 @@ def count(engine, optimizer) -> dict[str, int]:
     wrapper = engine.optimizer
     for name in MASTER_NAMES:   # the wrappers' master copies, before the walk reaches them by another name
         census.walk(getattr(wrapper, name, None), "masters")
+    census.walk(getattr(optimizer, "param_residency", None), "masters")   # shardopt's packed bf16 masters
     census.walk(optimizer.state, "state")
     census.walk(engine.module, "buffers")
     census.walk(wrapper)
@@ -248,15 +251,18 @@ def row(label: str, mesh: tuple[int, int] | None, args) -> dict:
 
 
 def show(rows: list[dict]) -> None:
-    """The table on stdout, each run's total as a ratio to DeepSpeed's own ZeRO 2 measured in the same run."""
-    deepspeed_total = next(r["total"] for r in rows if r["run"] == "deepspeed")
+    """The table on stdout, each run's total, and its total + step_peak (what a rank needs at the step: held plus
+    transients), as ratios to DeepSpeed's own ZeRO 2 measured in the same run."""
+    deepspeed = next(r for r in rows if r["run"] == "deepspeed")
     print(f"bytes per parameter per rank (largest over {rows[0]['ranks']} ranks), {rows[0]['params']:,} params, bf16, "
           f"on {rows[0]['device']}")
     columns = [*KINDS, "total", "step_peak", "device_peak"]
-    print(f"  {'run':<20}" + "".join(f"{name:>12}" for name in columns) + "  vs DeepSpeed ZeRO 2")
+    print(f"  {'run':<20}" + "".join(f"{name:>12}" for name in columns) + "  vs DeepSpeed ZeRO 2: total, total + step_peak")
     for r in rows:
         cells = "".join(f"{'n/a':>12}" if r[name] is None else f"{r[name]:>12.2f}" for name in columns)
-        print(f"  {r['run'] + ' ' + r['mesh']:<20}{cells}  {r['total'] / deepspeed_total:.2f}x")
+        needed = (r["total"] + r["step_peak"]) / (deepspeed["total"] + deepspeed["step_peak"])
+        print(f"  {r['run'] + ' ' + r['mesh']:<20}{cells}  {r['total'] / deepspeed['total']:.2f}x, {needed:.2f}x")
+    print("rerun: bash launch/deepspeed_memory_history.sh (every label, CPU), or this script with --print-only")
 
 
 def main() -> None:

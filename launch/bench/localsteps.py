@@ -112,6 +112,13 @@ def topk_density_at(bits_per_entry: float, block: int = DEFAULT_BLOCK) -> float:
 SIGN_MEAN_B128_BITS = 1 + 32 / 128      # sign_mean, block 128: a sign bit per entry and an fp32 scale per 128
 
 
+def int4_bits_as_gathered(replicas: int, block: int = DEFAULT_BLOCK) -> float:
+    """The bits per entry an all-gather format (topk, sign_mean: (M − 1)·b bits per entry sent) sends for int4's
+    bytes on M = `replicas`: int4's all-to-all and all-gather send 2(M − 1)/M·(4 + 32/block) (formats.py), so
+    b = 2/M·(4 + 32/block)."""
+    return 2 / replicas * (4 + 32 / block)
+
+
 def local_defaults(H: int) -> Config:
     """local_defaults: LocalSteps(Muon, sync_every=H) with every other option at its default, as its signature
     gives it (passed explicitly, so train.py's defaults.json cannot differ from it)."""
@@ -179,14 +186,16 @@ def variants(chosen: list[Config], args) -> list[Config]:
     return [replicas_variant(c, getattr(args, "replicas", REPLICAS)) for c in chosen]
 
 
-def configs(n_embd: int, horizons: tuple[int, ...] = (10, 30, 100)) -> list[Config]:
-    """Every config of the benchmark: the per-step peers, local_defaults at H 30, then DiLoCo, MuLoCo-style and
-    LocalSteps with Sign-Muon, Dion and Muon inside for each outer exchange and H in `horizons` (and Muon with
-    topk at sign_mean block 128's bytes: …_topk_as_sign_mean_b128)."""
+def configs(n_embd: int, horizons: tuple[int, ...] = (10, 30, 100), replicas: int = REPLICAS) -> list[Config]:
+    """Every config of the benchmark: the per-step peers (issue 42's four), local_defaults at H 30, then DiLoCo,
+    MuLoCo-style and LocalSteps with Sign-Muon, Dion and Muon inside for each outer exchange and H in `horizons`
+    (and Muon with topk at sign_mean block 128's bytes, …_topk_as_sign_mean_b128, and at int4's on `replicas`
+    replicas, …_topk_as_int4)."""
     per_step = {m.name: m for m in runs.methods(n_embd)}
     found = [Config(per_step["ddp_adamw"], "adamw", 0, "mean (fp32 gradients)"),
              Config(per_step["ddp_muon"], "muon", 0, "mean (fp32 gradients)"),
-             Config(per_step["signmuon_lion"], "signmuon", 0, "vote (1 bit, every step)"), local_defaults(30)]
+             Config(per_step["signmuon_lion"], "signmuon", 0, "vote (1 bit, every step)"),
+             Config(per_step["dion_1/4_lion"], "dion", 0, "low rank 1/4 (every step)"), local_defaults(30)]
     for H in horizons:
         found += [local_config(f"diloco_m{m:g}_H{H}", "adamw", H, "mean", m) for m in (0.9, 0.6)]
         found.append(local_config(f"muloco_H{H}", "muon", H, "int4"))
@@ -197,6 +206,8 @@ def configs(n_embd: int, horizons: tuple[int, ...] = (10, 30, 100)) -> list[Conf
                   for inner in ("signmuon", "dion", "muon") for exchange in ("sign_mean", "sign_vote", "lowrank")]
         found.append(local_config(f"local_muon_H{H}_topk_as_sign_mean_b128", "muon", H, "topk",
                                   density=topk_density_at(SIGN_MEAN_B128_BITS)))     # equal bytes (issue 42)
+        found.append(local_config(f"local_muon_H{H}_topk_as_int4", "muon", H, "topk",
+                                  density=topk_density_at(int4_bits_as_gathered(replicas))))
     return found
 
 
@@ -315,7 +326,7 @@ def main() -> None:
                         help="other localsteps CSVs (with their _curves.csv) whose rows join --csv's; runs only the "
                              "--configs given (none by default)")
     args = parser.parse_args()
-    every = {c.method.name: c for c in configs(args.n_embd)}
+    every = {c.method.name: c for c in configs(args.n_embd, replicas=args.replicas)}
     unknown = [name for name in args.configs or [] if name not in every]
     if unknown:
         raise SystemExit(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(every)}")

@@ -15,7 +15,9 @@ local_defaults: LocalSteps' defaults but sync_every 30); each runs at its own lr
 runs it again); a finished run folder of the same arguments and code is read back (campaign.py).
 
     results/sizes.csv   size, params, method, inner, exchange, H, replicas, outer_lr, outer_momentum, lr,
-                        scalar_lr, seed, steps, tokens, final_val_loss, replicate_bytes_total (one rank's),
+                        scalar_lr, seed, steps, tokens, final_model (the model evaluated: "synced", or in rows run
+                        before train.py's final sync existed, where H does not divide the steps, "rank 0's, N
+                        local steps after the last sync"), final_val_loss, replicate_bytes_total (one rank's),
                         link_bytes_total (one node's on the link: localsteps.link_factor),
                         bytes_per_token_vs_ddp_fp32 (link bytes / ddp_adamw's at the same size and steps, its
                         best lr) and x_fewer_bytes (its inverse; blank without that row), compute_s (the run's
@@ -37,8 +39,8 @@ from integrations.model import SIZES, GPTConfig, parameter_count
 from integrations.results import horizon_family
 
 FIELDS = ["size", "params", "method", "inner", "exchange", "H", "replicas", "outer_lr", "outer_momentum", "lr",
-          "scalar_lr", "seed", "steps", "tokens", "final_val_loss", "replicate_bytes_total", "link_bytes_total",
-          "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s"]
+          "scalar_lr", "seed", "steps", "tokens", "final_model", "final_val_loss", "replicate_bytes_total",
+          "link_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s"]
 KEY = ("size", "method", "lr", "seed", "steps")
 REPLICAS = 4            # 4 nodes × 1 rank
 VOCAB = {"bpe": 4096, "byte": 256}
@@ -90,6 +92,7 @@ def run_one(finals: campaign.Campaign, config: localsteps.Config, size: str, lr:
                 "outer_momentum": "" if config.outer_momentum is None else f"{config.outer_momentum:g}",
                 "lr": f"{lr:g}", "scalar_lr": method.scalar_lr_text(None), "seed": seed, "steps": summary.steps,
                 "tokens": summary.steps * args.batch_size * args.block_size * localsteps.RANKS,
+                "final_model": "synced",       # train.py ends local steps with LocalSteps.sync_now (its bytes counted)
                 "final_val_loss": f"{summary.final_val_loss:.4f}",
                 "replicate_bytes_total": summary.replicate_bytes_total, "compute_s": f"{summary.curve[-1][1]:.1f}"})
 
@@ -157,7 +160,7 @@ def main() -> None:
     parser.add_argument("--runs-dir", type=Path, default=runs.LOCAL_RUNS / "sizes")
     parser.add_argument("--csv", type=Path, default=campaign.ROOT / "results" / "sizes.csv")
     args = parser.parse_args()
-    every = {c.method.name: c for c in localsteps.configs(args.n_embd, HORIZONS)}
+    every = {c.method.name: c for c in localsteps.configs(args.n_embd, HORIZONS, REPLICAS)}
     unknown = [name for name in args.configs if name not in every]
     if unknown:
         raise SystemExit(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(every)}")

@@ -36,61 +36,104 @@ def subtract_product_(M: torch.Tensor, A: torch.Tensor, B: torch.Tensor, alpha: 
 
 
 def orthonormalize(P: torch.Tensor, method: str = "qr", seed: int = 0) -> torch.Tensor:
-    """Orthonormal basis of the column space of each P (..., a, r), a ≥ r.
+    """Orthonormal basis of the column space of each P (..., a, r), a ≥ r, with no value read back to the host.
 
-    "qr": Householder QR (the exact path). "cholesky": Cholesky-QR, P·R⁻¹ with
-    RᵀR = PᵀP, twice for accuracy. "rcqr": randomized Cholesky-QR (Dion paper):
-    a Gaussian sketch S (s×a, N(0, 1/s), s = ceil(1.25·r/128)·128 rows, drawn
-    from `seed` so every rank draws the same S) gives R from QR(S·P), then
-    P₁ = P·R⁻¹ is well conditioned and one Cholesky-QR step finishes it:
-    Q = P₁·L⁻ᵀ with L·Lᵀ = P₁ᵀP₁. Cost O(s·a·r + a·r²) instead of Householder's
-    sequential O(a·r²). Both Cholesky variants fall back to Householder QR when
-    a factorization fails (rank-deficient P). Whether to run Householder is a host
-    decision, so every call of a Cholesky variant reads its `info` back: one device
-    sync per bucket and call, whether or not it falls back ("qr" reads nothing).
-    A matrix that is all zeros maps to all zeros (Householder QR would give an
-    arbitrary basis), so a zero update stays zero.
+    "qr": Householder QR (the exact path). The Cholesky variants first dither P (`dither`: P + τ·Ω, Ω ~ N(0, 1)
+    drawn from `seed` so every rank draws the same, τ = δ·‖P‖_F/√(a·r), δ = `dither_size`, a few units in the
+    last place relative to ‖P‖_F): an exactly rank-deficient P (zero or repeated columns, a low-rank product)
+    becomes full rank and, as with Householder's rounding, its null directions get orthonormal completions,
+    so Dion's Q keeps rank r.
+    Then "cholesky" is shifted Cholesky-QR3 (`shifted_cholesky_qr3`), "rcqr" randomized Cholesky-QR
+    (`randomized_cholesky_qr`). Neither has a host-side fallback: a matrix whose factorization still fails
+    (a Cholesky `info` ≠ 0 or a non-finite entry, e.g. a non-finite P) maps to all zeros, decided on the
+    device, and so does an all-zero P (Householder QR would give it an arbitrary basis): its Dion update is
+    zero, R = BᵀQ = 0 keeps all of B in the momentum and keeps its Q (`column_normalize`).
     """
     if method not in QR_METHODS:
         raise ValueError(f"qr_method must be one of {QR_METHODS}, got {method!r}")
-    if P.device.type == "meta":   # shapes only (traffic.py's counting run): no factorization, no sync
+    if P.device.type == "meta":   # shapes only (traffic.py's counting run): no factorization
         return torch.empty_like(P)
-    Q = None
-    if method == "cholesky":
-        Q = _cholesky_qr(P)
-    elif method == "rcqr":
-        Q = _randomized_cholesky_qr(P, seed)
-    if Q is None:
+    usable = P.abs().amax(dim=(-2, -1), keepdim=True) > 0
+    if method == "qr":
         Q = torch.linalg.qr(P).Q
-    nonzero = P.abs().amax(dim=(-2, -1), keepdim=True) > 0
-    return torch.where(nonzero, Q, torch.zeros_like(Q))
+    else:
+        generator = torch.Generator(device=P.device).manual_seed(seed)
+        dithered = dither(P, dither_size(method, P), generator)
+        if method == "cholesky":
+            Q, factored = shifted_cholesky_qr3(dithered)
+        else:
+            Q, factored = randomized_cholesky_qr(dithered, generator)
+        finite = torch.isfinite(Q).all(dim=-1, keepdim=True).all(dim=-2, keepdim=True)
+        usable = usable & finite & factored[..., None, None]
+    return torch.where(usable, Q, torch.zeros_like(Q))
 
 
-def _cholesky_qr(P: torch.Tensor) -> torch.Tensor | None:
-    """Two Cholesky-QR passes queued back to back; both factorizations' `info` are read in one device sync at
-    the end (a failed first pass gives a second on garbage, which is then dropped with it: None)."""
-    Q, failed = P, torch.zeros((), dtype=torch.bool, device=P.device)
-    for _ in range(2):
-        L, info = torch.linalg.cholesky_ex(Q.mT @ Q)
-        failed = failed | (info != 0).any()
-        Q = torch.linalg.solve_triangular(L, Q.mT, upper=False).mT
-    return None if bool(failed) else Q
+def unit_roundoff(P: torch.Tensor) -> float:
+    """u = ε/2 of P's dtype (2⁻²⁴ in float32, 2⁻⁵³ in float64)."""
+    return torch.finfo(P.dtype).eps / 2
 
 
-def _randomized_cholesky_qr(P: torch.Tensor, seed: int) -> torch.Tensor | None:
+def dither_size(method: str, P: torch.Tensor) -> float:
+    """The dither δ for P (..., a, r), in units of u: "rcqr" 8·u (the sketch's QR handles any κ(P) up to about
+    1/u; the dither only has to lift exact zeros); "cholesky" 4·√(a·r)·u, so that after the shifted pass
+    κ(Q₁) ≈ √(s)/σ_min(P + τΩ) ≈ √(a·r·u)/δ = 1/(4·√u) stays within Cholesky-QR2's reach. Both are at least
+    twice the smallest sizes that factored every rank-deficient and κ ≤ 1e12 float32 test matrix at
+    a ≤ 4096, r ≤ 256 (2·√(a·r)·u and 1e-7 ≈ 1.7·u; 0.75·√(a·r)·u failed at 768×64)."""
     a, r = P.shape[-2:]
-    zero = P.abs().amax(dim=(-2, -1), keepdim=True) == 0     # zero matrices give NaN here; the caller zeroes them
+    return unit_roundoff(P) * (8 if method == "rcqr" else 4 * math.sqrt(a * r))
+
+
+def dither(P: torch.Tensor, delta: float, generator: torch.Generator) -> torch.Tensor:
+    """P + τ·Ω for P (..., a, r): Ω ~ N(0, 1) of P's shape from `generator`, τ = δ·‖P‖_F/√(a·r) per matrix,
+    so that ‖τ·Ω‖_F ≈ δ·‖P‖_F and span(P) turns by about δ·‖P‖_F/σ_i(P) in its directions of singular value σ_i."""
+    a, r = P.shape[-2:]
+    noise = torch.randn(P.shape, generator=generator, dtype=P.dtype, device=P.device)
+    tau = torch.linalg.matrix_norm(P, keepdim=True) * (delta / math.sqrt(a * r))
+    return torch.addcmul(P, tau, noise)
+
+
+def cholesky_qr_pass(X: torch.Tensor, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Cholesky-QR pass on X (..., a, r): L·Lᵀ = XᵀX + s·I (s: `shift`, (...,) per matrix, or none),
+    returns (X·L⁻ᵀ, whether the factorization succeeded (..., ) bool), read on the device only."""
+    gram = X.mT @ X
+    if shift is not None:
+        gram.diagonal(dim1=-2, dim2=-1).add_(shift[..., None])
+    L, info = torch.linalg.cholesky_ex(gram)
+    return torch.linalg.solve_triangular(L.mT, X, upper=True, left=False), info == 0
+
+
+def shifted_cholesky_qr3(P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shifted Cholesky-QR3 (Fukaya, Kannan, Nakatsukasa, Yamamoto, Yanagisawa, SIAM J. Sci. Comput. 2020) for
+    P (..., a, r): Q₁ = P·L₁⁻ᵀ with L₁L₁ᵀ = PᵀP + s·I, s = a·u·‖P‖²_F (above the Gram's rounding error, at most
+    about a·u·‖P‖²_F, so the factorization succeeds in floating point), then two unshifted passes (Cholesky-QR2)
+    on Q₁, whose condition number the shift has brought within their reach (κ(Q₁) ≲ √s/σ_min(P)). Returns
+    (Q, every factorization succeeded (...,))."""
+    shift = P.shape[-2] * unit_roundoff(P) * P.square().sum(dim=(-2, -1))
+    Q, shifted = cholesky_qr_pass(P, shift)
+    Q, factored = cholesky_qr2(Q)
+    return Q, shifted & factored
+
+
+def cholesky_qr2(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two unshifted Cholesky-QR passes on X (..., a, r): Q = X₁·L₂⁻ᵀ, X₁ = X·L₁⁻ᵀ, LₖLₖᵀ = Xₖ₋₁ᵀXₖ₋₁ (the
+    second restores the orthogonality the first loses, ~u·κ(X)²). Returns (Q, both succeeded (...,))."""
+    X, first = cholesky_qr_pass(X)
+    Q, second = cholesky_qr_pass(X)
+    return Q, first & second
+
+
+def randomized_cholesky_qr(P: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Randomized Cholesky-QR (the Dion paper's) for P (..., a, r): a Gaussian sketch S (s×a, N(0, 1/s),
+    s = ceil(1.25·r/128)·128 rows, from `generator`) gives R from Householder QR(S·P); P₁ = P·R⁻¹ is well
+    conditioned (κ = O(1) for κ(P) up to about 1/u) and `cholesky_qr2` finishes it (one pass is not enough in
+    float32: it left ‖QᵀQ − I‖ at 2e-4 on a rank-64 1024×128 P, two reach Householder's ~1e-6). Cost
+    O(s·a·r + a·r²) in matmuls instead of Householder's sequential O(a·r²). Returns (Q, both factorizations
+    succeeded (...,))."""
+    a, r = P.shape[-2:]
     rows = math.ceil(RCQR_OVERSAMPLE * r / 128) * 128
-    generator = torch.Generator(device=P.device).manual_seed(seed)
     sketch = torch.randn((*P.shape[:-2], rows, a), generator=generator, dtype=P.dtype, device=P.device)
-    sketch /= math.sqrt(rows)
-    R = torch.linalg.qr(sketch @ P, mode="r").R
-    P = torch.linalg.solve_triangular(R, P, upper=True, left=False)
-    L, info = torch.linalg.cholesky_ex(P.mT @ P)
-    Q = torch.linalg.solve_triangular(L.mT, P, upper=True, left=False)
-    if bool(((info != 0) & ~zero[..., 0, 0]).any() | ~(torch.isfinite(Q) | zero).all()):
-        return None
-    return Q
+    R = torch.linalg.qr((sketch / math.sqrt(rows)) @ P, mode="r").R
+    return cholesky_qr2(torch.linalg.solve_triangular(R, P, upper=True, left=False))
 
 
 def column_normalize(R: torch.Tensor, col_sq_norms: torch.Tensor, Q_prev: torch.Tensor,

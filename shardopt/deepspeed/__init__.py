@@ -44,7 +44,7 @@ One file per concern: `config.py` (what the plugin reads from the config),
 `optimizers.py` (the optimizer classes DeepSpeed drives: agreed clipping and
 overflow), `onebit.py` (the removed 1-bit family's configs), `zero.py` (ZeRO stages 1/2 with the compressed exchange across
 nodes), `zero3.py` (stage 3: the weights released outside the modules using them), `masters.py` (fp32 master
-copies of the owned slots only), `engine.py` (building the optimizer; the entry points), `wiring.py`
+copies of the owned slots only; under bf16 packed between steps: `packing.py`), `engine.py` (building the optimizer; the entry points), `wiring.py`
 (every change to the engine, owned by one EngineWiring with detach()),
 `registration.py` (register / unregister), `internals.py` (every DeepSpeed
 internal the plugin touches, checked on load).

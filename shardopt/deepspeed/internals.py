@@ -24,6 +24,7 @@ are still checked).
 | `FP16_UnfusedOptimizer.loss_scale_config.cur_scale`, `unscale_and_clip_grads` multiplying by `1. / combined_scale` | overlap_backward: the master copy's gradient made in backward as the step makes it |
 | `FP16_UnfusedOptimizer.fp16_groups / fp32_groups` read anew by `step`, `zero_grad`; `step`'s `fp16_param.grad.to(fp32_param.dtype)` | ZeRO 2: the owned masters only, in both lists: the fp32 node mean is the master's gradient as it is (masters.py) |
 | `FP16_UnfusedOptimizer.refresh_fp32_params()` | ZeRO 2: replaced, the owned masters from their model params (masters.py) |
+| `FP16_UnfusedOptimizer.step` reading the masters' values only in its copy back `fp16_param.data.copy_(fp32_param.data)` | bf16 ZeRO 2/3: both lists hold the same packed master (a placeholder of one element): a copy onto itself, which writes nothing (masters.PackedMasters) |
 | `FP16_UnfusedOptimizer.load_state_dict(state_dict, load_optimizer_states)` copying `state_dict['fp32_groups']` | ZeRO 2: wrapped to load the loss scale only; each rank's own state and masters from its files |
 | `optimizer.checkpoint_event_prologue()` | averages the momenta before engine.save_checkpoint |
 | `deepspeed.utils.groups._get_data_parallel_group()` | the data-parallel group (the replicate axis at stage 0) |

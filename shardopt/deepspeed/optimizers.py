@@ -79,6 +79,7 @@ class _EngineSide:
     """
 
     backward_overlap_type = EngineBackwardOverlap
+    param_residency = None   # bf16 ZeRO 2/3: the packed fp32 masters (masters.PackedMasters; steps.run_in_place)
 
     def __init__(self, params, *args, max_grad_norm: float = 0.0, zero_stage: int = 0,
                  reduce_bucket_size: int = 500_000_000, node_mesh=None, overlap_backward: bool = False, **kwargs):
@@ -103,6 +104,18 @@ class _EngineSide:
             self.shard = Axis("shard", node_mesh)
             self.axes = self.bucket_step_axes = Axes(self.replicate, self.shard, self.tensor)
         self.overlap_backward = overlap_backward
+
+    def _switch_overlap_backward(self, value: bool) -> None:
+        """ShardOptimizer's overlap_backward setter, refusing to switch it on over packed bf16 masters (masters.py)."""
+        if value and self.param_residency is not None:
+            raise ValueError("overlap_backward=True after the DeepSpeed wiring packed the bf16 fp32 masters "
+                             "(shardopt/deepspeed/masters.py): the exchange during backward reads them whole; give "
+                             "\"overlap_backward\": true in the config's optimizer params instead, which keeps whole "
+                             "masters")
+        ShardOptimizer.overlap_backward.fset(self, value)
+
+    overlap_backward = property(ShardOptimizer.overlap_backward.fget, _switch_overlap_backward,
+                                doc=ShardOptimizer.overlap_backward.__doc__)
 
     def _slots(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]

@@ -11,7 +11,7 @@ inert: a step on non-zero gradients raises). What is changed, and why (shardopt/
 | engine | `enable_backward_allreduce` | False: backward leaves local gradients, the optimizer exchanges |
 | engine | `backward` | fp16: the loss scale (DeepSpeed#8393); ZeRO 2: each gradient reduced to its owner; before the accumulation boundary under `optimizer.accumulating()` (overlap_backward) |
 | engine | `save_checkpoint`, `load_checkpoint` | ZeRO 1/2: each rank's own partition next to DeepSpeed's files; local steps: each rank's optimizer state and params |
-| fp16/bf16 wrapper | `fp16_groups`, `fp32_groups`, `load_state_dict`; the masters of slots owned elsewhere | ZeRO 2/3: fp32 master copies only for the owned slots, the gather into the model's params (masters.py) |
+| fp16/bf16 wrapper | `fp16_groups`, `fp32_groups`, `load_state_dict`; the masters of slots owned elsewhere | ZeRO 2/3: fp32 master copies only for the owned slots, the gather into the model's params (masters.py); bf16: those packed between steps (the optimizer's `param_residency`) |
 | fp16/bf16 wrapper | `overflow_checker` | a check agreed over all data-parallel ranks |
 | fp16/bf16 wrapper | `checkpoint_event_prologue` | the momenta averaged before DeepSpeed gathers the state |
 | fp16/bf16 wrapper | `_skip_invalid_grad_norm` | local steps: a skipped step still counts towards the round; overlap_backward: the work begun in backward is dropped |
@@ -93,12 +93,13 @@ class EngineWiring:
             self.masters = [pair for lp, fp32 in zip(wrapper.fp16_groups, wrapper.fp32_groups) for pair in zip(lp, fp32)]
             optimizer.replace_params(self.masters)
             model_params = [lp for lp, _ in self.masters]
+        blocks = zero3.split_rows(self, model_params) if side.zero is not None and side.zero.stage == 3 else {}
+        if self.wrapper is not None:
             if masters.applies(self):
                 masters.own_masters_only(self)
             self.patches.set(wrapper, "overflow_checker", AgreedOverflowCheck(masters.gradient_holders(self), side))
             self.patches.set(wrapper, "checkpoint_event_prologue", side.checkpoint_event_prologue)
             self._wrap_skipped_steps()
-        blocks = zero3.split_rows(self, model_params) if side.zero is not None and side.zero.stage == 3 else {}
         self._wrap_backward(model_params)
         if (side.zero is not None and side.zero.stage >= 1) or self.local_steps or getattr(side, "per_replica_state", False):
             self._wrap_checkpoints()   # per_replica_state: 1-bit Adam's error feedback (deepspeed/onebit.py)
@@ -157,7 +158,8 @@ class EngineWiring:
             result = save(save_dir, *args, **kwargs)
             save_optimizer_state(optimizer, own_file(os.path.join(save_dir, str(tag))))   # each rank reads its own
             for what in kinds[1:]:   # params: local steps; masters: this rank's fp32 master copies (masters.py)
-                save_tensors(params if what == "params" else fp32, own_file(os.path.join(save_dir, str(tag)), what))
+                with masters.all_present(self):   # (bf16: rebuilt whole for the file)
+                    save_tensors(params if what == "params" else fp32, own_file(os.path.join(save_dir, str(tag)), what))
             return result
 
         def load_checkpoint(load_dir, *args, **kwargs):
@@ -171,7 +173,8 @@ class EngineWiring:
                                             f"with this world size ({torch.distributed.get_world_size()} ranks)")
                 load_optimizer_state(optimizer, own[0])
                 if "masters" in kinds:
-                    load_tensors(fp32, own[1])
+                    with masters.all_present(self):   # (bf16: packed again after, the model's weights ← RNE)
+                        load_tensors(fp32, own[1])
                 if self.local_steps:
                     load_tensors(params, own[1])
                     self.model_weights_from_masters()

@@ -64,6 +64,7 @@ class ZeroPartition:
         `rows`: each one's rows per node rank, chunk_rows) instead of owned whole (zero3.py)."""
         self.node, self.stage, self.window_bytes = node, stage, window_bytes
         self.weights = None   # where gather_weights writes, when not the optimizer's params (masters.py)
+        self.owned_weights_written = False   # the owned slots' `weights` written by the step (masters.PackedMasters)
         self.sizes = [int(torch.Size(shape).numel()) for shape in shapes]
         self.rows = {slot: chunk_rows(shapes[slot][0], node.size) for slot in row_slots}
         self.costs = costs or self.sizes
@@ -143,19 +144,20 @@ class ZeroPartition:
         transient is ≤ (1 + 1/S)·window_bytes, not (1 + 1/S)·2Φ. With `weights` set (the model's params, whose
         masters this rank holds only where it owns them: masters.py) the other slots' gathered weights go there,
         in their dtype: the owners' params rounded to it as the fp16/bf16 wrapper's copy rounds them, and the
-        owned slots' own params too (the wrapper's copy-back is a no-op there: masters.py). Stage 3: only that
-        copy of the owned slots (the others are gathered while their modules run: zero3.py)."""
+        owned slots' own params too (the wrapper's copy-back is a no-op there: masters.py), first, unless
+        `owned_weights_written` (packed bf16 masters wrote them in the step); the all-gather sends those. Stage 3:
+        only that copy of the owned slots (the others are gathered while their modules run: zero3.py)."""
         if self.stage == 0 or (self.node.size == 1 and self.weights is None):
             return
         targets = self.weights if self.weights is not None else params
-        if self.stage < 3:     # stage 3: the others are gathered while their modules run (zero3.py)
-            self._all_gather_into(targets, params)
         for i, param in enumerate(targets):
-            if self.owns(i) and param is not params[i]:
+            if self.owns(i) and param is not params[i] and not self.owned_weights_written:
                 param.copy_(params[i])
+        if self.stage < 3:     # stage 3: the others are gathered while their modules run (zero3.py)
+            self._all_gather_into(targets)
 
-    def _all_gather_into(self, targets: list[torch.Tensor], params: list[torch.Tensor]) -> None:
-        """targets' slots owned by the node's other ranks ← their owners' params (gather_weights' all-gather,
+    def _all_gather_into(self, targets: list[torch.Tensor]) -> None:
+        """targets' slots owned by the node's other ranks ← their owners' (gather_weights' all-gather,
         `window_bytes` of gathered rows at a time, in the widest dtype of targets)."""
         dtype = targets[0].dtype
         for param in targets:
@@ -164,9 +166,9 @@ class ZeroPartition:
         window = self.chunk if self.window_bytes is None else max(1, self.window_bytes // row_bytes)
         for start in range(0, self.chunk, window):
             stop = min(self.chunk, start + window)
-            piece = torch.zeros(stop - start, dtype=dtype, device=params[0].device)
+            piece = torch.zeros(stop - start, dtype=dtype, device=targets[0].device)
             for i, lo, hi, first in self._pieces(self.node.rank, start, stop):
-                piece[lo - start:hi - start].copy_(params[i].reshape(-1)[first:first + hi - lo])
+                piece[lo - start:hi - start].copy_(targets[i].reshape(-1)[first:first + hi - lo])
             gathered = self.node.all_gather(piece)
             for owner in range(self.node.size):
                 for i, lo, hi, first in self._pieces(owner, start, stop) if owner != self.node.rank else ():

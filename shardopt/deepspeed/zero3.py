@@ -194,11 +194,12 @@ def _tensors(output) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def split_rows(wiring, model_params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Stage 3 on an EngineWiring, before its backward wrapper: each row slot's (ZeroPartition.rows) row block of
-    the weight, cloned from the whole model param (marked placement.RowBlock), by slot. In fp32 the optimizer
-    steps these blocks in place of the model's params; under fp16/bf16 the slot's fp32 master becomes its row
-    block, and the blocks (in the model's dtype) are where the step's copy of the masters goes (zero.weights).
-    Each change recorded in the wiring's Patches (undone: the optimizer's params and the masters whole again)."""
+    """Stage 3 on an EngineWiring, before its backward wrapper and masters.own_masters_only: each row slot's
+    (ZeroPartition.rows) row block of the weight, cloned from the whole model param (marked placement.RowBlock), by
+    slot. In fp32 the optimizer steps these blocks in place of the model's params; under fp16/bf16 the slot's fp32
+    master becomes its row block and is paired with the weight's row block in `wiring.masters` (so masters.py
+    writes the step's weights into the blocks, packs the master against them and refreshes it from them). Each
+    change recorded in the wiring's Patches (undone: the optimizer's params, the masters and their pairs whole)."""
     side, zero, patches, wrapper = wiring.side, wiring.side.zero, wiring.patches, wiring.wrapper
     size, index = zero.node.size, zero.node.rank
     blocks = {}
@@ -220,25 +221,18 @@ def split_rows(wiring, model_params: list[torch.Tensor]) -> dict[int, torch.Tens
         zero_grad.__doc__ = engine_zero_grad.__doc__
         patches.set(wiring.engine, "zero_grad", zero_grad)
         return blocks
-    for slot, block in blocks.items():
+    for slot, block in blocks.items():   # (before masters.own_masters_only, which pairs each master with its weight)
         master = wiring.masters[slot][1]
         master.data = master.data[row_block(block).rows].clone()
         mark_row_block(master, block.shardopt_row_block.shape, size, index)
-    patches.set(zero, "weights", [blocks.get(slot, weight) for slot, weight in enumerate(zero.weights)])
+        wiring.masters[slot] = (block, master)
 
-    def refresh_fp32_params():   # (masters.py's, with a row slot's master from its rows of the weight)
-        for slot, (low, master) in enumerate(wiring.masters):
-            if zero.owns(slot):
-                whole = low.untyped_storage().nbytes() > 0
-                master.copy_(low if slot not in blocks else low[row_block(master).rows] if whole else blocks[slot])
-
-    patches.set(wrapper, "refresh_fp32_params", refresh_fp32_params)
-
-    def remake():   # (after the release's detach: every weight whole again)
+    def remake():   # (after the release's detach and masters.py's undo: every weight whole, every master unpacked)
         for slot in blocks:
-            low, master = wiring.masters[slot]
+            master = wiring.masters[slot][1]
             del master.shardopt_row_block
-            master.data = low.detach().to(torch.float32, copy=True)
+            master.data = model_params[slot].detach().to(torch.float32, copy=True)
+            wiring.masters[slot] = (model_params[slot], master)
 
     patches.on_undo(remake)
     return blocks

@@ -45,12 +45,17 @@ def bucket_steps(optimizer, stepping: set, read_param, read_state, delivered: di
 
 
 def run_in_place(optimizer, stepping: set) -> None:
-    """The step of the params in `stepping`, each unit writing its params and state in place."""
+    """The step of the params in `stepping`, each unit writing its params and state in place. An optimizer whose
+    params live elsewhere between steps has a `param_residency` (not None: DeepSpeed's packed bf16 masters,
+    deepspeed/masters.py): its `around(units, steps)` makes each unit's params present while it steps."""
     for param in [p for group in optimizer.param_groups for p in group["params"] if p in stepping]:
         state = optimizer.state[param]     # every param gets state, also one with no local matrix
         if not state:
             state.update(new_state(optimizer, param))
         state["step"] += 1
-    _, steps = bucket_steps(optimizer, stepping, local,
-                            lambda p: {key: local(value) for key, value in optimizer.state[p].items()})
+    units, steps = bucket_steps(optimizer, stepping, local,
+                                lambda p: {key: local(value) for key, value in optimizer.state[p].items()})
+    residency = getattr(optimizer, "param_residency", None)
+    if residency is not None:
+        steps = residency.around(units, steps)
     pipeline(steps, depth=optimizer.pipeline_depth)
