@@ -17,7 +17,7 @@ inert: a step on non-zero gradients raises). What is changed, and why (shardopt/
 | fp16/bf16 wrapper | `_skip_invalid_grad_norm` | local steps: a skipped step still counts towards the round; overlap_backward: the work begun in backward is dropped |
 | optimizer | `wiring` (the inner one under local steps); its params ↔ the wrapper's fp32 master copies | `replace_params` both ways |
 | engine, modules, params | `backward`, `save_checkpoint`, `load_checkpoint`; forward hooks; post-accumulate-grad hooks | ZeRO 3: the weights not owned here released outside the modules using them (zero3.py) |
-| optimizer, masters, engine | the Dion matrices' params (fp32) or masters' data (fp16/bf16); `zero.weights`, wrapper `refresh_fp32_params`; engine `zero_grad` (fp32) | ZeRO 3: Dion's matrices split by rows over the node (zero3.split_rows) |
+| optimizer, masters, engine | the Dion matrices' params (fp32) or masters' data and their pairs in `wiring.masters` (fp16/bf16); engine `zero_grad` (fp32), `load_checkpoint` (rank 0's optimizer state skipped) | ZeRO 3: Dion's matrices split by rows over the node (zero3.split_rows) |
 | params | post-accumulate-grad hooks | ZeRO 2/3 (zero.BackwardReducer), fp16/bf16: with overlap_backward each final gradient handed to the optimizer's round |
 """
 
