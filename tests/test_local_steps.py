@@ -424,16 +424,17 @@ def test_stopping_off_a_sync_step_then_sync_now_gives_identical_replicas(pool2):
     assert results[0]["hash"] == results[1]["hash"]   # step 8: the next scheduled sync
 
 
-def test_sync_now_with_mean_and_outer_lr_one_averages_the_replicas(pool2):
-    """"mean", outer lr 1, momentum 0: sync_now after 3 steps (sync_every 2) leaves the float64 mean of the
-    two replicas' params (each: θ after the step-2 sync, minus lr·g at step 3)."""
-    results = pool2.run(_stop_off_a_sync, 3, 2, exchange="mean", outer_lr=1.0, outer_momentum=0.0)
+@pytest.mark.parametrize("momentum", [0.0, 0.6])
+def test_sync_now_with_mean_and_outer_lr_one_applies_the_last_round_without_momentum(pool2, momentum):
+    """"mean", outer lr 1, Nesterov momentum μ: the step-2 sync moves θ by (1 + μ)·Δ̄₂ (b = Δ̄₂); sync_now after
+    step 3 applies that part round's Δ̄₃ without the momentum (Fragment.settle): θ = θ₀ − (1 + μ)·Δ̄₂ − Δ̄₃, the
+    replicas' float64 mean at μ = 0 (Δ̄: lr × the replicas' mean gradients over the round)."""
+    results = pool2.run(_stop_off_a_sync, 3, 2, exchange="mean", outer_lr=1.0, outer_momentum=momentum)
     theta = [p.detach().double() for p in _params()]
-    for step in (1, 2):
-        grads = [_gradients(step, replica, torch.float64) for replica in range(2)]
-        theta = [t - INNER_LR * (g0 + g1) / 2 for t, g0, g1 in zip(theta, *grads)]
-    grads = [_gradients(3, replica, torch.float64) for replica in range(2)]
-    want = [t - INNER_LR * (g0 + g1) / 2 for t, g0, g1 in zip(theta, *grads)]
+    mean_step = lambda step: [INNER_LR * (g0 + g1) / 2 for g0, g1 in zip(*(_gradients(step, replica, torch.float64)
+                                                                           for replica in range(2)))]
+    first = [a + b for a, b in zip(mean_step(1), mean_step(2))]
+    want = [t - (1 + momentum) * d2 - d3 for t, d2, d3 in zip(theta, first, mean_step(3))]
     for result in results:
         for got, expected in zip(result["params"], want):
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

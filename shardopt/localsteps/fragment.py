@@ -115,8 +115,9 @@ class Fragment:
         self.flight: Flight | None = None
         self.kept: tuple | None = None   # without overlap: (Δ̄, e, discard) of the exchange just finished
 
-    def sync(self, step: int) -> None:
-        """This fragment's sync at `step` (module docstring)."""
+    def sync(self, step: int, momentum: bool = True) -> None:
+        """This fragment's sync at `step` (module docstring); without `momentum` (settle) the round that ends
+        here is applied without the outer momentum."""
         if self.settings.overlap:
             self.finish(step)                                   # the exchange started at the last sync
             discarded = int(self.states[self.params[0]].pending) == PENDING_DISCARD
@@ -127,17 +128,20 @@ class Fragment:
         else:
             self.start(step)
             self.finish(step)
-            self.apply()
+            self.apply(momentum)
             self._set_params(lambda state, param: local(state.params))
 
     def settle(self, step: int) -> None:
         """A sync at `step`, off the schedule, that leaves θ = θ_outer (the end of a run, finish.py): without
         overlap `sync`; with overlap `sync` (the exchange in flight applied, the progress since it began sent),
-        then that exchange finished and applied at once, θ ← θ_outer, θ_start ← θ, nothing pending."""
-        self.sync(step)
+        then that exchange finished and applied at once, θ ← θ_outer, θ_start ← θ, nothing pending. The round
+        it ends is applied without the outer momentum (d = Δ̄, b kept): no later round carries it on, and with
+        it a part round's Δ̄ is pushed by (1 + μ) and b by μ² (Nesterov), which overshoots — measured with μ 0.6
+        at the end of a 200-step run, H 30: val loss 5.91 and 7.31 against 5.29 and 5.23 unsynced)."""
+        self.sync(step, momentum=self.settings.overlap)
         if self.settings.overlap:
             self.finish(step)
-            self.apply()
+            self.apply(momentum=False)
             self._set_params(lambda state, param: local(state.params))
             for param in self.params:
                 self.states[param].pending.fill_(PENDING_NONE)
@@ -166,8 +170,9 @@ class Fragment:
         while self.flight is not None:
             self.advance(step)
 
-    def apply(self) -> None:
-        """The kept result, unless there is none or its round is discarded: e ← its e, the outer SGD step."""
+    def apply(self, momentum: bool = True) -> None:
+        """The kept result, unless there is none or its round is discarded: e ← its e, the outer SGD step
+        (without `momentum`: d = Δ̄, the buffer b unchanged)."""
         if self.settings.overlap:
             if int(self.states[self.params[0]].pending) != PENDING_APPLY:
                 return
@@ -181,7 +186,7 @@ class Fragment:
         if error is not None:
             self._scatter(error, self.params, lambda state, piece: local(state.error).copy_(piece))
         self._scatter(mean, self.params, lambda state, piece: outer.step(
-            local(state.params), None if state.momentum is None else local(state.momentum),
+            local(state.params), None if state.momentum is None or not momentum else local(state.momentum),
             piece.to(local(state.params).device)))
 
     def drop(self) -> None:
