@@ -398,12 +398,13 @@ def test_every_fashion_mnist_method_keeps_replicas_equal_and_sends_its_bytes(poo
 
 
 def test_local_defaults_passes_localsteps_signature_defaults_but_sync_every():
+    from shardopt.localsteps.formats import outer_format
     default = {n: p.default for n, p in inspect.signature(shardopt.LocalSteps).parameters.items()}
     config = next(c for c in localsteps.configs(128) if c.method.name == "local_defaults")
     args = dict(zip(config.method.args[::2], config.method.args[1::2]))
     assert args == {"--optimizer": "muon", "--local-steps": "30", "--outer-exchange": default["exchange"],
                     "--outer-lr": f"{default['outer_lr']:g}", "--outer-momentum": f"{default['outer_momentum']:g}",
-                    "--outer-block": str(default["block"])}
+                    "--outer-block": str(default["block"] or outer_format(default["exchange"]).block)}
     assert (config.H, config.outer_lr, config.outer_momentum) == (30, default["outer_lr"], default["outer_momentum"])
 
 

@@ -134,7 +134,7 @@ parser.add_argument("--fragments", type=int, metavar="F", help="local steps: syn
 parser.add_argument("--outer-rank-fraction", type=float, help="local steps, --outer-exchange lowrank: rank / "
                     "min(m, n) of each matrix's pseudo-gradient")
 parser.add_argument("--outer-block", type=int, help="local steps: entries per scale of the int8, int4, sign_vote and "
-                    "sign_mean exchanges")
+                    "sign_mean exchanges (default: the format's, 128 for sign_*, 4096 for int8/int4/topk)")
 parser.add_argument("--outer-density", type=float, help="local steps, --outer-exchange topk: the fraction of each "
                     "chunk of --outer-block entries sent")
 fault_tolerant.add_arguments(parser)

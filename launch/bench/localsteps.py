@@ -57,7 +57,7 @@ from pathlib import Path
 import campaign
 import runs
 import shardopt
-from shardopt.localsteps.formats import DEFAULT_BLOCK, EXCHANGES
+from shardopt.localsteps.formats import DEFAULT_BLOCK, EXCHANGES, outer_format
 
 FIELDS = ["method", "inner", "H", "replicas", "exchange", "outer_lr", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
           "final_val_loss", "replicate_bytes_total", "link_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",
@@ -93,8 +93,10 @@ class Config:
 
 def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: float = 0.6,
                  block: int | None = None, outer_lr: float = OUTER_LR, density: float | None = None) -> Config:
+    """A local-steps config; `block` None: 4096 (DEFAULT_BLOCK, what every config without _b<block> in its name
+    ran with, named in the label only when given)."""
     args = ("--optimizer", inner, "--local-steps", str(H), "--outer-exchange", exchange, "--outer-lr", f"{outer_lr:g}",
-            "--outer-momentum", f"{outer_momentum:g}", *(("--outer-block", str(block)) if block else ()),
+            "--outer-momentum", f"{outer_momentum:g}", "--outer-block", str(block or DEFAULT_BLOCK),
             *(("--outer-density", f"{density:g}") if density else ()))
     method = runs.Method(name, runs.FSDP_TRAIN, args, INNER_LR[inner], runs.ADAMW_SCALAR_LR)
     label = exchange + (f", block {block}" if block else "") + (f", density {density:g}" if density else "")
@@ -123,8 +125,9 @@ def local_defaults(H: int) -> Config:
     """local_defaults: LocalSteps(Muon, sync_every=H) with every other option at its default, as its signature
     gives it (passed explicitly, so train.py's defaults.json cannot differ from it)."""
     default = {name: p.default for name, p in inspect.signature(shardopt.LocalSteps).parameters.items()}
-    return local_config("local_defaults", "muon", H, default["exchange"], default["outer_momentum"],
-                        default["block"], default["outer_lr"])
+    block = default["block"] or outer_format(default["exchange"]).block      # None: the format's own
+    return local_config("local_defaults", "muon", H, default["exchange"], default["outer_momentum"], block,
+                        default["outer_lr"])
 
 
 def streaming_variant(config: Config, overlap: bool, fragments: int) -> Config:

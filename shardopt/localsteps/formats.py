@@ -35,7 +35,9 @@ from .codec import (absmax_scales, as_bytes, block_mean_abs, blocks_of, decode_p
                     nonfinite_flag, offset_bits, pack_bits, pack_int4, picks_per_chunk, quantize, select_topk,
                     spread_blocks, unpack_bits, unpack_int4)
 
-DEFAULT_BLOCK = 4096
+DEFAULT_BLOCK = 4096     # "int8", "int4", "topk": entries per scale (per chunk) unless `block` says otherwise
+SIGN_BLOCK = 128         # "sign_vote", "sign_mean": a scale per 128 entries (block 4096 diverged at width 512:
+                         # docs/tuning.md, "The defaults")
 DEFAULT_DENSITY = 0.02   # "topk": the fraction of each chunk's entries sent
 FLAG_SLOT = 1   # one fp32 beside the scales: 1.0 where x held a NaN/inf
 
@@ -133,7 +135,7 @@ class SignVote(OuterFormat):
 
     name = "sign_vote"
 
-    def __init__(self, vote: str = "alltoall_1bit", block: int = DEFAULT_BLOCK):
+    def __init__(self, vote: str = "alltoall_1bit", block: int = SIGN_BLOCK):
         if vote not in VOTES:
             raise ValueError(f"vote must be one of {VOTES}, got {vote!r}")
         if block < 1:
@@ -167,7 +169,7 @@ class SignMean(OuterFormat):
 
     name = "sign_mean"
 
-    def __init__(self, block: int = DEFAULT_BLOCK):
+    def __init__(self, block: int = SIGN_BLOCK):
         if block < 1:
             raise ValueError(f"block must be ≥ 1 entries, got {block}")
         self.block = block
@@ -238,15 +240,17 @@ OUTER_FORMATS = {"mean": lambda **_: Mean("mean", torch.float32),
                  "mean_bf16": lambda **_: Mean("mean_bf16", torch.bfloat16),
                  "int8": lambda block=DEFAULT_BLOCK, **_: Quantized("int8", 8, block),
                  "int4": lambda block=DEFAULT_BLOCK, **_: Quantized("int4", 4, block),
-                 "sign_vote": lambda block=DEFAULT_BLOCK, vote="alltoall_1bit", **_: SignVote(vote, block),
-                 "sign_mean": lambda block=DEFAULT_BLOCK, **_: SignMean(block),
+                 "sign_vote": lambda block=SIGN_BLOCK, vote="alltoall_1bit", **_: SignVote(vote, block),
+                 "sign_mean": lambda block=SIGN_BLOCK, **_: SignMean(block),
                  "topk": lambda block=DEFAULT_BLOCK, density=DEFAULT_DENSITY, **_: TopK(block, density)}
 EXCHANGES = (*OUTER_FORMATS, "lowrank")   # lowrank: built per fragment by LocalSteps (it needs the matrices)
 
 
 def outer_format(exchange: str, **options) -> OuterFormat:
-    """The format named `exchange` (EXCHANGES), with its options (block, vote, density); for "lowrank" the
-    sign_vote of its non-matrix entries (LocalSteps builds the LowRank around it)."""
+    """The format named `exchange` (EXCHANGES), with its options (block, vote, density; one that is None: the
+    format's own default); for "lowrank" the sign_vote of its non-matrix entries (LocalSteps builds the LowRank
+    around it)."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-    return OUTER_FORMATS["sign_vote" if exchange == "lowrank" else exchange](**options)
+    given = {name: value for name, value in options.items() if value is not None}
+    return OUTER_FORMATS["sign_vote" if exchange == "lowrank" else exchange](**given)

@@ -57,7 +57,8 @@ class LocalSteps(OptimizerAround):
         "lowrank", "topk").
     rank_fraction: "lowrank"'s r = ⌈rank_fraction·min(m, n)⌉ per 2-D param (one whose (a+b)·r < a·b;
         the others go by sign_vote), with a warm-started Q (b×r, N(0,1) from the seed) in the state.
-    block: entries per scale of "int8" / "int4" / "sign_vote" / "sign_mean" / "topk"; vote: "sign_vote"'s
+    block: entries per scale of "int8" / "int4" / "sign_vote" / "sign_mean" / "topk" (None: the format's own,
+        128 for the sign formats, 4096 for the others: formats.py); vote: "sign_vote"'s
         wire format (vote.py, or "auto"); density: "topk"'s fraction of each block sent (0.01–0.03 typical).
     overlap: round k's exchange runs during round k+1 (one collective advanced per inner step) and is
         applied at round k+1's end, with the inner progress made meanwhile kept on top. θ_outer is
@@ -77,8 +78,8 @@ class LocalSteps(OptimizerAround):
 
     def __init__(self, inner: torch.optim.Optimizer, *, replicate_mesh, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.0, nesterov: bool = True, exchange: str = "sign_vote",
-                 block: int = 4096, vote: str = "alltoall_1bit", rank_fraction: float = 0.25, density: float = 0.02,
-                 overlap: bool = False, fragments: int = 1,
+                 block: int | None = None, vote: str = "alltoall_1bit", rank_fraction: float = 0.25,
+                 density: float = 0.02, overlap: bool = False, fragments: int = 1,
                  state_dtype=torch.float32, state_device=None, seed: int = 0, model=None,
                  double_averaging_check: bool = True, ownership: Ownership = EVERY_PARAM):
         state_dtype = check_local_steps(inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
