@@ -153,10 +153,12 @@ MODELS = {"six": _model, "narrowing": _narrowing_model, "dominated": _dominated_
           "one_row_head": _one_row_head_model}
 
 
-def _run(optimizer, stage, precision="fp32", model="six", nonmatrix=None):
-    """nonmatrix: the element-wise group's algorithm (default: Lion in bf16, AdamW in fp32)."""
+def _run(optimizer, stage, precision="fp32", model="six", nonmatrix=None, nonmatrix_names=()):
+    """nonmatrix: the element-wise group's algorithm (default: Lion in bf16, AdamW in fp32); nonmatrix_names: the
+    config's (params whose name holds one go to the element-wise group)."""
     config = _config(optimizer, stage, MESH, precision, vote="allreduce_int8" if optimizer == "SignMuon" else None,
                      nonmatrix_algorithm=nonmatrix or ("lion" if precision == "bf16" else "adamw"))
+    config["shardopt"]["nonmatrix_names"] = list(nonmatrix_names)
     if precision == "bf16":
         config["gradient_clipping"] = 0.5   # the agreed norm (ν over the replicas, the node's owned parts summed)
     engine, *_ = sds.initialize(model=MODELS[model](), config=config)
@@ -351,6 +353,27 @@ def test_dion_at_stage_3_balances_one_dominant_matrix_over_the_node(pool):
               for name, results in (("Dion", dion), ("SignMuon", signmuon))}
     print(f"held at stage 3 / stage 0 per rank: {shares}")
     assert max(shares["Dion"]) <= 0.6 and max(shares["SignMuon"]) > 0.6
+
+
+def _dominant_element_wise_param(optimizer):
+    """The "dominated" model with its 96×96 matrix (80 % of the weights) in the element-wise group (AdamW), as a tied
+    embedding sits there in a GPT; stages 0, 2 and 3."""
+    _env()
+    return {stage: _run(optimizer, stage, model="dominated", nonmatrix_names=("2.",)) for stage in (0, 2, 3)}
+
+
+@pytest.mark.parametrize("optimizer", ["SignMuon", "Dion"])
+def test_stage_3_balances_a_dominant_element_wise_param_over_the_node(pool, optimizer):
+    """Whole on one owner (stage 2) the AdamW moments of the 96×96 param make its rank's optimizer state more than
+    0.6× stage 0's; split by rows at stage 3, every rank holds about half of stage 0's state and of its params +
+    state (+ the gathered weights of no module between steps)."""
+    results = pool.run(_dominant_element_wise_param, optimizer, timeout_s=TIMEOUT_S)
+    state = {stage: [runs[stage]["held"]["state"] / runs[0]["held"]["state"] for runs in results] for stage in (2, 3)}
+    held = [sum(runs[3]["held"].values()) / sum(runs[0]["held"].values()) for runs in results]
+    print(f"{optimizer}: state / stage 0 per rank {state}; params + state at stage 3 / stage 0 per rank {held}")
+    assert max(state[2]) > 0.6 and max(state[3]) <= 0.55 and max(held) <= 0.55
+    for runs in results:
+        assert runs[3]["losses"][-1] < 0.9 * runs[3]["losses"][0] and runs[3]["identical"]
 
 
 def _checkpoint_resumes(directory, precision, optimizer, model):
