@@ -390,13 +390,14 @@ def _checkpoint_resumes(directory, precision, optimizer, model):
 
 @pytest.mark.parametrize("precision,optimizer,model", [("fp32", "SignMuon", "six"), ("bf16", "SignMuon", "six"),
                                                        ("fp32", "Dion", "six"), ("bf16", "Dion", "six"),
-                                                       ("fp32", "Dion", "narrowing")])
+                                                       ("fp32", "Dion", "narrowing"), ("bf16", "Dion", "one_row_head")])
 def test_engine_checkpoint_at_stage_3_resumes_on_the_same_trajectory(pool, tmp_path, precision, optimizer, model):
     """DeepSpeed writes data-parallel rank 0's whole model (gathered for the save); each rank its own partition
     (and fp32 masters in bf16) next to it; after the save (and 3 more steps) and after the load only the owned
     weights are held; shardopt.deepspeed.detach(engine) gives every rank the whole model back. Dion's row blocks
     come from the loaded weights, their state from each rank's own file (uneven rows: the "narrowing" model's
-    9 rows over 2 ranks, whose state shapes differ from rank 0's)."""
+    9 rows over 2 ranks, whose state shapes differ from rank 0's; the element-wise params split by rows as well, the
+    1-row head's 1-entry bias an empty block, with empty Lion state, on one rank of each node)."""
     for loaded, diff, (after_save, after_load, owned), whole in pool.run(_checkpoint_resumes, str(tmp_path),
                                                                          precision, optimizer, model,
                                                                          timeout_s=TIMEOUT_S):

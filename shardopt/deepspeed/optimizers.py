@@ -179,7 +179,7 @@ class _EngineSide:
         """Bytes per axis, with "node": ZeRO 1/2's reduce-scatter and all-gather inside a node (and the small
         agreements over it). Deprecated, kept for one release: "shard" also counts the node's bytes, as it
         did when the node axis was reported under that name (under DeepSpeed the FSDP shard axis is empty,
-        so "shard" equals "node", except at ZeRO 3 with Dion's row-split matrices, whose power iteration runs on
+        so "shard" equals "node", except at ZeRO 3 with row-split params, whose step (Dion's power iteration) runs on
         a shard axis over the node's ranks: then "shard" is every byte inside the node); read "node"."""
         stats = super().comm_stats()
         stats["node"] = self.node.stats()
