@@ -35,6 +35,7 @@ import shardopt.algorithms.dion as dion_module  # noqa: E402
 import shardopt.algorithms.polar as polar_module  # noqa: E402
 import shardopt.deepspeed as sds  # noqa: E402
 from shardopt.algorithms.lowrank import dion_rank  # noqa: E402
+from shardopt.deepspeed.optimizers import row_slots  # noqa: E402
 from shardopt.optim.guard import replicas_equal  # noqa: E402
 from shardopt.wire.comm import Axis, collective_bytes, split_world  # noqa: E402
 from test_deepspeed_zero import MESH, PARAMS, _config, _data, _env, _model, _save_and_resume, _steps  # noqa: E402
@@ -374,6 +375,18 @@ def test_stage_3_balances_a_dominant_element_wise_param_over_the_node(pool, opti
     assert max(state[2]) > 0.6 and max(state[3]) <= 0.55 and max(held) <= 0.55
     for runs in results:
         assert runs[3]["losses"][-1] < 0.9 * runs[3]["losses"][0] and runs[3]["identical"]
+
+
+def test_the_row_slots_are_dion_matrices_and_element_wise_params_with_a_dim_0_at_stage_3_only():
+    """optimizers.row_slots: Dion's single matrices (not a `split` one) and the AdamW / Lion params that have a dim 0
+    (a 0-d param stays whole on an owner: no rows to split); Sign-Muon's matrices never; no slot below stage 3."""
+    groups = [{"algorithm": "dion", "params": [torch.zeros(4, 3), torch.zeros(6, 3)]},
+              {"algorithm": "dion", "params": [torch.zeros(6, 3)], "split": (0, (2, 4))},
+              {"algorithm": "signmuon", "params": [torch.zeros(4, 3)]},
+              {"algorithm": "adamw", "params": [torch.zeros(()), torch.zeros(5), torch.zeros(2, 3, 4)]},
+              {"algorithm": "lion", "params": [torch.zeros(1)]}]
+    assert row_slots(groups, 3) == (0, 1, 5, 6, 7)
+    assert row_slots(groups, 2) == ()
 
 
 def _checkpoint_resumes(directory, precision, optimizer, model):

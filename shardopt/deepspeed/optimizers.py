@@ -208,9 +208,10 @@ ELEMENTWISE = ("adamw", "lion")   # the groups whose update is per entry: split 
 def row_slots(param_groups: list[dict], zero_stage: int) -> tuple[int, ...]:
     """At ZeRO stage 3 the slots (positions in the param order) split by rows (dim 0) over the node's ranks: the 2-D
     params of "dion" groups that are one matrix each (no `split` into blocks), whose power iteration then runs
-    row-sharded as under FSDP2, and every param of the element-wise groups ("adamw", "lion": their update is per
-    entry), stepped on each rank's rows as under FSDP2 (docs/design.md §14); none at other stages."""
-    slots = [group["algorithm"] in ELEMENTWISE or group["algorithm"] == "dion" and single_matrix(p, group)
+    row-sharded as under FSDP2, and the params with a dim 0 of the element-wise groups ("adamw", "lion": their update
+    is per entry), stepped on each rank's rows as under FSDP2 (a 0-d one stays whole on an owner; docs/design.md
+    §14); none at other stages."""
+    slots = [group["algorithm"] in ELEMENTWISE and p.ndim >= 1 or group["algorithm"] == "dion" and single_matrix(p, group)
              for group in param_groups for p in group["params"]]
     return tuple(slot for slot, split in enumerate(slots) if split and zero_stage == 3)
 
