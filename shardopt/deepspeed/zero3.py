@@ -22,8 +22,8 @@ of the modules running; bytes inside the node per micro-batch: each param broadc
 on top of stage 2's reduces, and no all-gather after the step.
 
 Dion's matrices and the element-wise groups' params are not owned whole: each is split by rows (dim 0) over the
-node's S ranks (the "row slots" of ZeroPartition: the 2-D params of "dion" groups without a `split`, every param of
-the "adamw" and "lion" groups, whose update is per entry; optimizers.row_slots), the node being Dion's shard axis
+node's S ranks (the "row slots" of ZeroPartition: the 2-D params of "dion" groups without a `split`, the params with
+a dim 0 of the "adamw" and "lion" groups, whose update is per entry; optimizers.row_slots), the node being Dion's shard axis
 as under FSDP2 (`split_rows`; the optimizer's shard axis is the node's group):
 
     rank i holds         rows [i·⌈m/S⌉, …) of the weight (a placement.RowBlock, in the model's dtype), of the fp32
