@@ -1,12 +1,14 @@
 """ZeRO stage 3 under shardopt's DeepSpeed plugin (shardopt/deepspeed/zero3.py): 4 gloo ranks as 2 nodes × 2
 ("shardopt": {"mesh": {"replicate": 2, "shard": 2}}), gradient accumulation 2, real DeepSpeed engines. Pinned here,
 for Sign-Muon (Dion: below):
-- stage 3 is stage 2 with the weights released: the same losses, weights and replicate-axis bytes, bitwise
-  (the owners step the same gradients; a module computes with its owners' weights, broadcast);
+- stage 3 is stage 2 with the weights released: the same losses and weights, bitwise, and replicate-axis bytes per
+  node (the owners step the same gradients; a module computes with its owners' weights, broadcast; the element-wise
+  groups' params split by rows as Dion's matrices below, per entry the same sums; Lion on "allreduce_int8");
 - per rank, params + optimizer state (+ fp32 masters in bf16) ≤ 0.6× stage 0's on the same mesh, and between
   steps a rank holds the storage of the params it owns only;
-- Newton–Schulz runs once per matrix per optimizer step on each node, on its owner (not once per micro-batch); inside the node each owned weight is broadcast twice per
-  micro-batch in place of stage 2's all-gather after the step (counted bytes);
+- Newton–Schulz runs once per matrix per optimizer step on each node, on its owner (not once per micro-batch); inside
+  the node each owned weight is broadcast and each row block all-gathered twice per micro-batch in place of stage
+  2's all-gather after the step (counted bytes);
 - the four ranks' weights are bitwise identical; the loss goes down;
 - bf16 (non-matrix params on Lion's vote, gradient_clipping 0.5: the agreed norm) matches bf16 stage 2 bitwise;
 - an infinite gradient on one rank skips the step on all four (fp32 and bf16), weights untouched;
@@ -14,10 +16,12 @@ for Sign-Muon (Dion: below):
   every weight on every rank;
 - a model built under deepspeed.zero.Init trains bitwise as the same model built normally (its partitions
   gathered into ds_shape weights before the param groups are made); at stage 2 it is refused naming the fix.
-Dion's matrices are split by rows over the node instead (zero3.split_rows): it trains bitwise as FSDP2 HSDP with
-the same config, and as stage 2 to float tolerance where both work on Xᵀ (m < n); bytes across nodes per node are
-stage 2's; every rank holds ≈ 1/2 of stage 0's params + state even when one matrix dominates; the power iteration
-runs once per matrix per step; checkpoints, the inf skip and zero.Init as for Sign-Muon, fp32 and bf16.
+Dion's matrices are split by rows over the node instead (zero3.split_rows), and the element-wise groups with them
+(AdamW or Lion): it trains bitwise as FSDP2 HSDP with the same config (AdamW and Lion, whose 1-bit vote's coins
+follow the entries' places in each rank's run), and as stage 2 to float tolerance where both work on Xᵀ (m < n);
+bytes across nodes per node are stage 2's (less its agreement on which params have a gradient); every rank holds
+≈ 1/2 of stage 0's params + state even when one matrix dominates; the power iteration runs once per matrix per
+step; checkpoints, the inf skip and zero.Init as for Sign-Muon, fp32 and bf16.
 """
 
 import pytest
@@ -31,8 +35,9 @@ import shardopt.algorithms.dion as dion_module  # noqa: E402
 import shardopt.algorithms.polar as polar_module  # noqa: E402
 import shardopt.deepspeed as sds  # noqa: E402
 from shardopt.algorithms.lowrank import dion_rank  # noqa: E402
+from shardopt.deepspeed.optimizers import row_slots  # noqa: E402
 from shardopt.optim.guard import replicas_equal  # noqa: E402
-from shardopt.wire.comm import Axis, split_world  # noqa: E402
+from shardopt.wire.comm import Axis, collective_bytes, split_world  # noqa: E402
 from test_deepspeed_zero import MESH, PARAMS, _config, _data, _env, _model, _save_and_resume, _steps  # noqa: E402
 from workers import WorkerPool  # noqa: E402
 
@@ -75,6 +80,28 @@ def _owned_param_bytes(engine) -> int:
     return sum(p.numel() * p.element_size() for p in _row_blocks(engine)) + sum(
         p.numel() * p.element_size() for slot, p in enumerate(model_params)
         if ours.zero.owns(slot) and slot not in ours.zero.rows)
+
+
+def _node_sends_per_micro_batch(engine) -> tuple[int, int]:
+    """(gather, reduce): the bytes this rank sends inside the node per micro-batch, by the comm layer's counting
+    (comm.collective_bytes; a rooted collective: the root sends (S−1) tensors, the others one), for stage 3's
+    gather of the weights (a whole owned weight broadcast, a row slot's ⌈m/S⌉-row piece all-gathered) and stage
+    2/3's reduce of the gradients in fp32 (a whole slot owned elsewhere sent to its owner, a row slot's S·⌈m/S⌉
+    rows reduce-scattered)."""
+    ours = sds.shard_optimizer(engine)
+    zero, size = ours.zero, ours.zero.node.size
+    params = ours.wiring.release.params if zero.stage == 3 else [low for low, _ in ours.wiring.masters] or ours._slots()
+    gather = reduce = 0
+    for slot, param in enumerate(params):
+        if slot in zero.rows:
+            padded_rows = size * zero.rows[slot][0] * (param.numel() // param.shape[0])
+            gather += collective_bytes("all_gather", padded_rows // size * param.element_size(), size)
+            reduce += collective_bytes("reduce_scatter", padded_rows * 4, size)
+        elif zero.owns(slot):
+            gather += (size - 1) * param.numel() * param.element_size()
+        else:
+            reduce += param.numel() * 4
+    return gather if zero.stage == 3 else 0, reduce
 
 
 def _matrices(X: torch.Tensor) -> int:
@@ -127,9 +154,12 @@ MODELS = {"six": _model, "narrowing": _narrowing_model, "dominated": _dominated_
           "one_row_head": _one_row_head_model}
 
 
-def _run(optimizer, stage, precision="fp32", model="six"):
+def _run(optimizer, stage, precision="fp32", model="six", nonmatrix=None, nonmatrix_names=()):
+    """nonmatrix: the element-wise group's algorithm (default: Lion in bf16, AdamW in fp32); nonmatrix_names: the
+    config's (params whose name holds one go to the element-wise group)."""
     config = _config(optimizer, stage, MESH, precision, vote="allreduce_int8" if optimizer == "SignMuon" else None,
-                     nonmatrix_algorithm="lion" if precision == "bf16" else "adamw")
+                     nonmatrix_algorithm=nonmatrix or ("lion" if precision == "bf16" else "adamw"))
+    config["shardopt"]["nonmatrix_names"] = list(nonmatrix_names)
     if precision == "bf16":
         config["gradient_clipping"] = 0.5   # the agreed norm (ν over the replicas, the node's owned parts summed)
     engine, *_ = sds.initialize(model=MODELS[model](), config=config)
@@ -152,6 +182,7 @@ def _run(optimizer, stage, precision="fp32", model="six"):
     return {"losses": losses, "weights": weights, "identical": identical and consistent, "held": held,
             "grad_norm": float(engine.get_global_grad_norm()),
             "owned_param_bytes": _owned_param_bytes(engine) if ours.zero is not None else None,
+            "node_sends_per_micro_batch": _node_sends_per_micro_batch(engine) if ours.zero is not None else None,
             "gather_bytes": (ours.zero.chunk * next(engine.module.parameters()).element_size()
                              if ours.zero is not None else None),
             "replicate_bytes": stats["replicate"]["bytes_sent"], "node_bytes": stats["node"]["bytes_sent"],
@@ -183,19 +214,29 @@ def test_stage_3_is_stage_2_bitwise_with_the_weights_released(pool, optimizer, p
         assert three["engine_stage"] == 0                    # DeepSpeed runs stage 0; shardopt partitions
         assert three["losses"] == two["losses"] and three["grad_norm"] == two["grad_norm"]   # bitwise
         assert all(torch.equal(a, b) for a, b in zip(three["weights"], two["weights"]))
-        assert three["replicate_bytes"] == two["replicate_bytes"] > 0
         assert three["identical"] and two["identical"]
         assert three["losses"][-1] < 0.9 * three["losses"][0]
         assert held[3] <= 0.6 * held[0]
         assert three["held"]["params"] == three["owned_param_bytes"]   # between steps: the owned params only
         assert two["held"]["params"] == zero["held"]["params"]         # stage 2 keeps every weight
-        # inside the node, per step of 2 micro-batches: each owned weight broadcast in forward and in backward
-        # (to the node's other rank) instead of stage 2's all-gather of this rank's chunk after the step
-        assert three["node_bytes"] - two["node_bytes"] == STEPS * (2 * 2 * three["owned_param_bytes"]
+        # inside the node, per step of 2 micro-batches: each owned weight broadcast and each row slot's piece
+        # all-gathered in forward and in backward instead of stage 2's all-gather of this rank's chunk after the
+        # step; the gradients reduced to other owners (whole) or reduce-scattered (rows) in each backward
+        (gather, reduce), (_, reduce_2) = three["node_sends_per_micro_batch"], two["node_sends_per_micro_batch"]
+        assert three["node_bytes"] - two["node_bytes"] == STEPS * (2 * (2 * gather + reduce - reduce_2)
                                                                     - two["gather_bytes"])
+    # across nodes a node sends stage 2's bytes, its element-wise entries split over its ranks by rows instead
+    assert _node_sums(results, 3, "replicate_bytes") == _node_sums(results, 2, "replicate_bytes")
     for node in ((0, 1), (2, 3)):   # Newton–Schulz (Sign-Muon) or the power iteration (Dion), on each node
         per_step = [sum(results[r][3]["matrix_directions"][step] for r in node) for step in range(STEPS)]
         assert per_step == [MATRICES] * STEPS, per_step  # once per matrix per step of 2 micro-batches
+
+
+def _has_gradient_agreement(slots: int) -> int:
+    """The bytes a node sends across nodes at stage 2, and not at stage 3 where every rank steps its rows of every
+    slot, to agree which params have a gradient (agreement.stepping: a rank lacking some, one byte per slot in an
+    all-reduce over the 2 replicas, each of the node's 2 ranks, every step)."""
+    return STEPS * 2 * collective_bytes("all_reduce", slots, 2)
 
 
 def _node_sums(results, stage, key) -> list:
@@ -208,9 +249,17 @@ def test_dion_at_stage_3_splits_every_matrix_by_rows_over_the_node(pool, precisi
     """Dion's matrices row-sharded over the node's 2 ranks (the FSDP2 layout, the node as the shard axis): each rank
     holds its rows of every weight, master and momentum, and Q's rows; every rank runs its part of one distributed
     power iteration per matrix per step of 2 micro-batches (its rows of each matrix counted); the bytes across
-    nodes per node are stage 2's (a node sends (a + b)·r per matrix either way, split over its ranks here)."""
+    nodes per node are stage 2's (a node sends (a + b)·r per matrix either way, split over its ranks here, and the
+    biases' AdamW means or Lion votes by rows), less stage 2's agreement on which params have a gradient (each rank
+    lacks the others' there: one byte per slot per rank per step over the replicate axis; at stage 3 every rank
+    holds a gradient of its rows of every slot, so the agreement's flag alone says so). In bf16 Lion's votes pack
+    8 signs a byte on each rank: splitting a node's entries over 2 ranks by rows instead of whole params may add
+    a byte of packing per rank per step."""
     results = pool.run(_stages, "Dion", precision, timeout_s=TIMEOUT_S)
-    assert _node_sums(results, 3, "replicate_bytes") == _node_sums(results, 2, "replicate_bytes")
+    agreement = _has_gradient_agreement(2 * MATRICES)   # 6 matrices, 6 biases
+    packing = [three - (two - agreement) for three, two in zip(_node_sums(results, 3, "replicate_bytes"),
+                                                                _node_sums(results, 2, "replicate_bytes"))]
+    assert all(0 <= extra <= (STEPS * 2 if precision == "bf16" else 0) for extra in packing), packing
     for rank, runs in enumerate(results):
         three, zero = runs[3], runs[0]
         held = {stage: sum(run["held"].values()) for stage, run in runs.items()}
@@ -227,8 +276,8 @@ def test_dion_at_stage_3_splits_every_matrix_by_rows_over_the_node(pool, precisi
         assert zero["identical"]
 
 
-def _fsdp2_hsdp_run(model_name):
-    """The config of `_run("Dion", 3)` without DeepSpeed: FSDP2 `fully_shard` on the shard dim of a (replicate 2,
+def _fsdp2_hsdp_run(model_name, nonmatrix):
+    """The config of `_run("Dion", 3, nonmatrix=nonmatrix)` without DeepSpeed: FSDP2 `fully_shard` on the shard dim of a (replicate 2,
     shard 2) mesh, shardopt.Dion on the replicate dim, the same param groups, micro-batches and loss scaling
     (1 / gradient_accumulation_steps, as engine.backward does)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -239,7 +288,7 @@ def _fsdp2_hsdp_run(model_name):
     model = MODELS[model_name]()
     fully_shard(model, mesh=mesh["shard"])
     options = {**PARAMS["Dion"], "wire_dtype": getattr(torch, PARAMS["Dion"]["wire_dtype"])}
-    optimizer = shardopt.Dion(shardopt.param_groups(model, "dion", "adamw"), replicate_mesh=mesh["replicate"],
+    optimizer = shardopt.Dion(shardopt.param_groups(model, "dion", nonmatrix), replicate_mesh=mesh["replicate"],
                               **options)
     x, y = _data()
     losses = []
@@ -255,20 +304,23 @@ def _fsdp2_hsdp_run(model_name):
     return losses, [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def _stage_3_and_fsdp2_hsdp(model):
+def _stage_3_and_fsdp2_hsdp(model, nonmatrix):
     _env()
-    return _run("Dion", 3, model=model), _fsdp2_hsdp_run(model)
+    return _run("Dion", 3, model=model, nonmatrix=nonmatrix), _fsdp2_hsdp_run(model, nonmatrix)
 
 
-@pytest.mark.parametrize("model", ["six", "one_row_head"])
-def test_dion_at_stage_3_trains_as_fsdp2_hsdp(pool, model):
+@pytest.mark.parametrize("model,nonmatrix", [("six", "adamw"), ("one_row_head", "adamw"), ("six", "lion"),
+                                             ("one_row_head", "lion")])
+def test_dion_at_stage_3_trains_as_fsdp2_hsdp(pool, model, nonmatrix):
     """Dion at stage 3 is the FSDP2-HSDP layout with the node as the shard axis: the same row blocks, the same
     bucket steps and collectives (P summed over the node, its rows split there for the replicate mean, the column
     norms summed over the node), the gradients' node sums added in the same order (FSDP2 divides each rank's
     gradient by 2 before the reduce-scatter, stage 3 the sum after it: exact either way), so losses and weights
     are bitwise those of FSDP2 HSDP, matrices with m ≥ n included (where stage 2, on whole matrices, works on W),
-    and a 1-row head, of which one rank of each node holds no row."""
-    for three, (losses, weights) in pool.run(_stage_3_and_fsdp2_hsdp, model, timeout_s=TIMEOUT_S):
+    and a 1-row head, of which one rank of each node holds no row (nor of its 1-entry bias). The element-wise
+    groups (biases) are split by rows too, as FSDP2 splits them: AdamW steps each rank's entries after the fp32
+    replicate mean, Lion votes on them with the coins of their places in the rank's run of entries, as there."""
+    for three, (losses, weights) in pool.run(_stage_3_and_fsdp2_hsdp, model, nonmatrix, timeout_s=TIMEOUT_S):
         assert three["losses"] == losses
         assert all(torch.equal(a, b) for a, b in zip(three["weights"], weights))
 
@@ -279,11 +331,12 @@ def test_dion_at_stage_3_matches_stage_2_where_both_work_on_the_transpose(pool):
     B·Q is summed over the row blocks (Σ_i B_i·Q_i) and the column norms over them, in another order than one
     whole product, hence float tolerance, not bitwise. Uneven rows (9 over 2 ranks) included. Bytes across nodes:
     stage 2's plus, per matrix, the padding of P's a = n rows to S equal pieces ((⌈n/S⌉·S − n)·r fp32 entries:
-    the 8×9 matrix, whose 9 columns do not split over 2 ranks)."""
+    the 8×9 matrix, whose 9 columns do not split over 2 ranks), less stage 2's agreement on which params have a
+    gradient (3 matrices, 3 biases)."""
     results = pool.run(_stages, "Dion", "fp32", "narrowing", timeout_s=TIMEOUT_S)
     padding = sum((-(-n // 2) * 2 - n) * dion_rank(m, n, 0.25, 1) * 4 for m, n in ((12, 16), (9, 12), (8, 9)))
     assert padding == 8
-    assert _node_sums(results, 3, "replicate_bytes") == [two + STEPS * padding
+    assert _node_sums(results, 3, "replicate_bytes") == [two + STEPS * padding - _has_gradient_agreement(6)
                                                          for two in _node_sums(results, 2, "replicate_bytes")]
     for runs in results:
         two, three = runs[2], runs[3]
@@ -303,6 +356,39 @@ def test_dion_at_stage_3_balances_one_dominant_matrix_over_the_node(pool):
     assert max(shares["Dion"]) <= 0.6 and max(shares["SignMuon"]) > 0.6
 
 
+def _dominant_element_wise_param(optimizer):
+    """The "dominated" model with its 96×96 matrix (80 % of the weights) in the element-wise group (AdamW), as a tied
+    embedding sits there in a GPT; stages 0, 2 and 3."""
+    _env()
+    return {stage: _run(optimizer, stage, model="dominated", nonmatrix_names=("2.",)) for stage in (0, 2, 3)}
+
+
+@pytest.mark.parametrize("optimizer", ["SignMuon", "Dion"])
+def test_stage_3_balances_a_dominant_element_wise_param_over_the_node(pool, optimizer):
+    """Whole on one owner (stage 2) the AdamW moments of the 96×96 param make its rank's optimizer state more than
+    0.6× stage 0's; split by rows at stage 3, every rank holds about half of stage 0's state and of its params +
+    state (+ the gathered weights of no module between steps)."""
+    results = pool.run(_dominant_element_wise_param, optimizer, timeout_s=TIMEOUT_S)
+    state = {stage: [runs[stage]["held"]["state"] / runs[0]["held"]["state"] for runs in results] for stage in (2, 3)}
+    held = [sum(runs[3]["held"].values()) / sum(runs[0]["held"].values()) for runs in results]
+    print(f"{optimizer}: state / stage 0 per rank {state}; params + state at stage 3 / stage 0 per rank {held}")
+    assert max(state[2]) > 0.6 and max(state[3]) <= 0.55 and max(held) <= 0.55
+    for runs in results:
+        assert runs[3]["losses"][-1] < 0.9 * runs[3]["losses"][0] and runs[3]["identical"]
+
+
+def test_the_row_slots_are_dion_matrices_and_element_wise_params_with_a_dim_0_at_stage_3_only():
+    """optimizers.row_slots: Dion's single matrices (not a `split` one) and the AdamW / Lion params that have a dim 0
+    (a 0-d param stays whole on an owner: no rows to split); Sign-Muon's matrices never; no slot below stage 3."""
+    groups = [{"algorithm": "dion", "params": [torch.zeros(4, 3), torch.zeros(6, 3)]},
+              {"algorithm": "dion", "params": [torch.zeros(6, 3)], "split": (0, (2, 4))},
+              {"algorithm": "signmuon", "params": [torch.zeros(4, 3)]},
+              {"algorithm": "adamw", "params": [torch.zeros(()), torch.zeros(5), torch.zeros(2, 3, 4)]},
+              {"algorithm": "lion", "params": [torch.zeros(1)]}]
+    assert row_slots(groups, 3) == (0, 1, 5, 6, 7)
+    assert row_slots(groups, 2) == ()
+
+
 def _checkpoint_resumes(directory, precision, optimizer, model):
     _env()
     saving, resumed, path = _save_and_resume(directory, _stage_3_config(optimizer, precision), MODELS[model])
@@ -317,13 +403,14 @@ def _checkpoint_resumes(directory, precision, optimizer, model):
 
 @pytest.mark.parametrize("precision,optimizer,model", [("fp32", "SignMuon", "six"), ("bf16", "SignMuon", "six"),
                                                        ("fp32", "Dion", "six"), ("bf16", "Dion", "six"),
-                                                       ("fp32", "Dion", "narrowing")])
+                                                       ("fp32", "Dion", "narrowing"), ("bf16", "Dion", "one_row_head")])
 def test_engine_checkpoint_at_stage_3_resumes_on_the_same_trajectory(pool, tmp_path, precision, optimizer, model):
     """DeepSpeed writes data-parallel rank 0's whole model (gathered for the save); each rank its own partition
     (and fp32 masters in bf16) next to it; after the save (and 3 more steps) and after the load only the owned
     weights are held; shardopt.deepspeed.detach(engine) gives every rank the whole model back. Dion's row blocks
     come from the loaded weights, their state from each rank's own file (uneven rows: the "narrowing" model's
-    9 rows over 2 ranks, whose state shapes differ from rank 0's)."""
+    9 rows over 2 ranks, whose state shapes differ from rank 0's; the element-wise params split by rows as well, the
+    1-row head's 1-entry bias an empty block, with empty Lion state, on one rank of each node)."""
     for loaded, diff, (after_save, after_load, owned), whole in pool.run(_checkpoint_resumes, str(tmp_path),
                                                                          precision, optimizer, model,
                                                                          timeout_s=TIMEOUT_S):

@@ -9,12 +9,12 @@ Sign-Muon, at "zero_optimization" stage 0 (every rank a replica, the plugin's de
 Per configuration (the largest value over the 4 ranks where ranks differ):
   state      bytes of the tensors in shard_optimizer(engine).state
   state/S0   state over stage 0's; "owned" is the formula, the rank's share of the state from the partition
-             itself (Σ owned elements × state tensors per element / Σ all; a row-split matrix, Dion's at stage 3,
-             counts its rows' part), 1/S up to whole-tensor balance
+             itself (Σ owned elements × state tensors per element / Σ all; a row-split param, at stage 3 Dion's
+             matrices and the element-wise groups' params, counts its rows' part), 1/S up to whole-tensor balance
   grads      bytes of the model's .grad tensors held between backward and the step (bf16)
   masters    bytes of DeepSpeed's fp32 master copies (stages 2/3: the owned slots only)
   weights    bytes of the model's bf16 weights held between steps (their storage; stage 3: the owned ones and the
-             rank's row blocks of Dion's matrices)
+             rank's row blocks of Dion's matrices and the element-wise params)
   repl B/st  replicate-axis bytes per step (between nodes); B/node the same summed over a node's ranks (stage 0:
              each rank its own node); shard B/st the bytes inside a node
   identical  all four ranks' weights bitwise equal; loss: mean over ranks, first → last step
@@ -76,7 +76,7 @@ def run(args, optimizer: str, stage: int) -> dict:
         identical = replicas_equal([p.detach() for p in engine.module.parameters()], Axis("replicate", dist.group.WORLD))
     zero = ours.zero
     owned = sum(c * zero.share(i) for i, c in enumerate(zero.costs)) / sum(zero.costs) if zero else 1.0
-    release = getattr(ours.wiring, "release", None)   # stage 3: Dion's matrices are held as row blocks
+    release = getattr(ours.wiring, "release", None)   # stage 3: the row slots are held as row blocks
     row = {"optimizer": optimizer, "stage": stage, "mesh": f"{MESH['replicate']}x{MESH['shard']}" if stage else "4x1",
            "params": sum(p.numel() for p in model.parameters()),
            "state_bytes": tensor_bytes(v for s in ours.state.values() for v in s.values() if torch.is_tensor(v)),

@@ -100,7 +100,7 @@ class _EngineSide:
         self.zero = ZeroPartition([p.shape for p in self._slots()], self.node, zero_stage, costs,
                                   window_bytes=self.bucket_bytes, row_slots=row_slots(self.param_groups, zero_stage)
                                   ) if node_mesh is not None else None
-        if self.zero is not None and self.zero.rows:   # the node's ranks split Dion's matrices by rows (zero3.py)
+        if self.zero is not None and self.zero.rows:   # the node's ranks split row slots by rows (zero3.py)
             self.shard = Axis("shard", node_mesh)
             self.axes = self.bucket_step_axes = Axes(self.replicate, self.shard, self.tensor)
         self.overlap_backward = overlap_backward
@@ -179,7 +179,7 @@ class _EngineSide:
         """Bytes per axis, with "node": ZeRO 1/2's reduce-scatter and all-gather inside a node (and the small
         agreements over it). Deprecated, kept for one release: "shard" also counts the node's bytes, as it
         did when the node axis was reported under that name (under DeepSpeed the FSDP shard axis is empty,
-        so "shard" equals "node", except at ZeRO 3 with Dion's row-split matrices, whose power iteration runs on
+        so "shard" equals "node", except at ZeRO 3 with row-split params, whose step (Dion's power iteration) runs on
         a shard axis over the node's ranks: then "shard" is every byte inside the node); read "node"."""
         stats = super().comm_stats()
         stats["node"] = self.node.stats()
@@ -202,11 +202,17 @@ class _EngineSide:
             return super().replicas_consistent() and replicas_equal([local(p) for p in weights], self.node)
 
 
+ELEMENTWISE = ("adamw", "lion")   # the groups whose update is per entry: split by rows at ZeRO stage 3
+
+
 def row_slots(param_groups: list[dict], zero_stage: int) -> tuple[int, ...]:
-    """At ZeRO stage 3 the slots (positions in the param order) split by rows over the node's ranks: the 2-D params
-    of "dion" groups that are one matrix each (no `split` into blocks), whose power iteration then runs row-sharded
-    as under FSDP2 (docs/design.md §14); none at other stages."""
-    slots = [group["algorithm"] == "dion" and single_matrix(p, group) for group in param_groups for p in group["params"]]
+    """At ZeRO stage 3 the slots (positions in the param order) split by rows (dim 0) over the node's ranks: the 2-D
+    params of "dion" groups that are one matrix each (no `split` into blocks), whose power iteration then runs
+    row-sharded as under FSDP2, and the params with a dim 0 of the element-wise groups ("adamw", "lion": their update
+    is per entry), stepped on each rank's rows as under FSDP2 (a 0-d one stays whole on an owner; docs/design.md
+    §14); none at other stages."""
+    slots = [group["algorithm"] in ELEMENTWISE and p.ndim >= 1 or group["algorithm"] == "dion" and single_matrix(p, group)
+             for group in param_groups for p in group["params"]]
     return tuple(slot for slot, split in enumerate(slots) if split and zero_stage == 3)
 
 

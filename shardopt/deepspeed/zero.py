@@ -5,8 +5,8 @@ The data-parallel ranks form a (replicate R, shard S) mesh; by default one repli
 `placement.assign_owners` balances the optimizer state per owner (elements × state tensors per element). Whole tensors, not row blocks, so that
 the owner runs exactly the stage-0 math (Newton–Schulz and the power iteration need whole matrices;
 row blocks would change Sign-Muon's direction or add a shard-axis exchange per step), as
-microsoft/dion gives each rank whole matrices to orthogonalize (at stage 3 Dion's matrices are split by
-rows over the node instead, `row_slots`: zero3.py). One optimizer step:
+microsoft/dion gives each rank whole matrices to orthogonalize (at stage 3 Dion's matrices and the
+element-wise groups' params are split by rows over the node instead, `row_slots`: zero3.py). One optimizer step:
 
     g_node = (1/S)·Σ_node g_local      reduce-scatter over the node axis, full precision (fp32):
                                        each rank gets the node mean of the params it owns

@@ -21,9 +21,10 @@ broadcasts in the same order. Per rank: the params and the optimizer state of th
 of the modules running; bytes inside the node per micro-batch: each param broadcast twice (forward, backward)
 on top of stage 2's reduces, and no all-gather after the step.
 
-Dion's matrices are not owned whole: each is split by rows over the node's S ranks (the "row slots" of
-ZeroPartition: the 2-D params of "dion" groups without a `split`), the node being Dion's shard axis as under
-FSDP2 (`split_rows`; the optimizer's shard axis is the node's group):
+Dion's matrices and the element-wise groups' params are not owned whole: each is split by rows (dim 0) over the
+node's S ranks (the "row slots" of ZeroPartition: the 2-D params of "dion" groups without a `split`, the params with
+a dim 0 of the "adamw" and "lion" groups, whose update is per entry; optimizers.row_slots), the node being Dion's shard axis
+as under FSDP2 (`split_rows`; the optimizer's shard axis is the node's group):
 
     rank i holds         rows [i·⌈m/S⌉, …) of the weight (a placement.RowBlock, in the model's dtype), of the fp32
                          master under fp16/bf16, of the momentum, and Q's rows (Dion works on B = Xᵀ)
@@ -33,7 +34,10 @@ FSDP2 (`split_rows`; the optimizer's shard axis is the node's group):
     step                 Dion's row-sharded power iteration: P = Σ_node B_i·Q_i, the distributed column norms, and
                          P's rows split over the node for the replicate mean (algorithms/dion.py, factors.py)
 
-so every rank steps its rows of every Dion matrix, the node sends (a + b)·r per matrix across nodes as at stage 2
+and an element-wise param's rows are stepped as FSDP2 HSDP steps its local shard (AdamW after the fp32 replicate
+mean, Lion's vote with the coins of the entries' places in this rank's run of entries; 1-D params split along
+their length, an empty block where rows < S). So every rank steps its rows of every row slot, the node sends
+(a + b)·r per matrix across nodes as at stage 2
 (plus ⌈a/S⌉·S − a padding rows of P when S does not divide a = n), and the held params + state are balanced
 to 1/S whatever the matrices' sizes. Bitwise FSDP2 HSDP with the same config (tests/test_deepspeed_zero3.py); not
 bitwise stage 2: Dion works on Xᵀ here (the row split must fall on

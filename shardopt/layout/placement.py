@@ -124,11 +124,11 @@ class MatrixLayout:
 
 @dataclass(frozen=True)
 class RowBlock:
-    """A plain tensor that is shard rank `index`'s rows of an m×n matrix (`shape`) whose rows the shard axis
-    splits as torch.chunk does (`shard_rows`, rows per shard rank): laid out like that rank's block of a
-    `Shard(0)` DTensor (matrix_layout), without a DTensor."""
+    """A plain tensor that is shard rank `index`'s rows (dim-0 entries) of a tensor of `shape` (an m×n matrix, or a
+    1-D or N-D element-wise param) whose dim 0 the shard axis splits as torch.chunk does (`shard_rows`, rows per
+    shard rank): laid out like that rank's block of a `Shard(0)` DTensor (matrix_layout), without a DTensor."""
 
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     shard_rows: tuple[int, ...]
     index: int
 
@@ -139,13 +139,13 @@ class RowBlock:
         return slice(start, start + self.shard_rows[self.index])
 
 
-def mark_row_block(tensor: torch.Tensor, shape: tuple[int, int], parts: int, index: int) -> torch.Tensor:
-    """Mark `tensor` (rows × n) as shard rank `index`'s row block of a matrix of `shape` split over `parts` ranks
-    (chunk_rows); returns it."""
+def mark_row_block(tensor: torch.Tensor, shape: tuple[int, ...], parts: int, index: int) -> torch.Tensor:
+    """Mark `tensor` (rows × shape[1:]) as shard rank `index`'s row block of a tensor of `shape` split over `parts`
+    ranks along dim 0 (chunk_rows); returns it."""
     block = RowBlock(tuple(shape), chunk_rows(shape[0], parts), index)
-    if tuple(tensor.shape) != (block.shard_rows[index], shape[1]):
-        raise ValueError(f"a row block of rank {index} of {parts} of a {tuple(shape)} matrix has shape "
-                         f"{(block.shard_rows[index], shape[1])}, got {tuple(tensor.shape)}")
+    if tuple(tensor.shape) != (block.shard_rows[index], *shape[1:]):
+        raise ValueError(f"a row block of rank {index} of {parts} of a {tuple(shape)} tensor has shape "
+                         f"{(block.shard_rows[index], *shape[1:])}, got {tuple(tensor.shape)}")
     tensor.shardopt_row_block = block
     return tensor
 
