@@ -28,6 +28,7 @@ import torch
 from ..layout.placement import local, placed_like
 
 PREFIX = "outer_"
+ERROR_KEY = PREFIX + "error"   # e, a replica's own residual: a heal from a peer (torchft/heal.py) zeroes it
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 

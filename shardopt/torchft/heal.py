@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..layout.placement import is_dtensor, local
+from ..localsteps.state import ERROR_KEY
 from .internals import serves_key
 
 KEY = "shardopt"
@@ -79,7 +80,7 @@ def tensor_bytes(value) -> int:
 
 
 def _without_error(state_dict: dict) -> dict:
-    return {**state_dict, "state": {index: {key: value for key, value in entry.items() if key != "outer_error"}
+    return {**state_dict, "state": {index: {key: value for key, value in entry.items() if key != ERROR_KEY}
                                     for index, entry in state_dict["state"].items()}}
 
 
@@ -118,8 +119,8 @@ class Healing:
         for param, piece in zip(params, payload.get("params", ())):
             local(param).copy_(piece)
         for entry in self.owner.state.values():   # e = 0: a replica's own residual (module docstring)
-            if "outer_error" in entry:
-                local(entry["outer_error"]).zero_()
+            if ERROR_KEY in entry:
+                local(entry[ERROR_KEY]).zero_()
         self.owner.heal_counters.load_counters(payload["counters"])
         self.received_bytes += tensor_bytes(payload)
         self.heals += 1
