@@ -210,12 +210,24 @@ SOURCES = {
                    "python launch/bench/sizes.py --sizes M --steps 200 --configs ddp_adamw --lr-factors 0.125",
                    "python launch/bench/sizes.py --sizes L --steps 200 --configs ddp_adamw --lr-factors 0.25",
                    "python launch/bench/sizes.py --sizes L --steps 200 --configs local_muon_H10_sign_mean_b128 "
-                   "--outer-lrs 0.7 --outer-momenta 0"
+                   "--outer-lrs 0.7 --outer-momenta 0",
+                   "python launch/bench/sizes.py --sizes S --steps 200 --configs local_muon_H30_sign_vote "
+                   "local_muon_H30_sign_vote_b128 --outer-lrs 0.7 1 --outer-momenta 0 --seeds 0 1",
+                   "python launch/bench/sizes.py --sizes S --steps 200 --configs local_muon_H30_sign_vote --seeds 0 1",
+                   "python launch/bench/sizes.py --sizes S --steps 200 --configs signmuon_lion dion_1/4_lion",
+                   "python launch/bench/sizes.py --sizes S --steps 400 --configs muloco_H30 "
+                   "local_muon_H30_topk_as_int4 --outer-lrs 0.7 --outer-momenta 0",
+                   "python launch/bench/sizes.py --sizes L --steps 200 --configs ddp_adamw ddp_muon --lr-factors 0.5 1",
+                   "python launch/bench/sizes.py --sizes S M L --steps 200 --configs local_defaults --seeds 0 1 "
+                   "--lr-factors 0.5 1 2"
                    "   # (each resumes: rows already there are kept; the figure: results/sizes.png)"),
-                  "Issue 42's campaign, begun: the benchmark GPT at sizes S, M, L (integrations/model.SIZES), 4 "
-                  "replicas × 1 rank, one seed a row; x_fewer_bytes against ddp_adamw of the same size and steps "
-                  "(its best lr). Not every row of these grids ran (S 400: H 5 at outer lr 0.7 only; S 200: "
-                  "ddp_adamw at 0.5 and 1). The summary by size, with the gaps: docs/benchmarks.md \"Model sizes\"."),
+                  "Issue 42's campaign: the benchmark GPT at sizes S, M, L (integrations/model.SIZES), 4 replicas × "
+                  "1 rank; x_fewer_bytes against ddp_adamw of the same size and steps (its best lr). Not every row "
+                  "of these grids ran (the runs column of docs/benchmarks.md's table counts those that did). "
+                  "local_defaults_m0.6 and local_defaults_b4096_m0: the rows of the earlier defaults (outer momentum "
+                  "0.6, block 4096), run as local_defaults then; final_model: the model a row evaluated (rows from "
+                  "before train.py's final sync, where H does not divide the steps, evaluated rank 0's). The "
+                  "summary by size, with the gaps: docs/benchmarks.md \"Model sizes\"."),
     "step_time.csv": ("python launch/bench/step_time.py",
                       "Optimizer step time and state memory per matrix (one GPT-2-small layer's four shapes and "
                       "2048²), all optimizers in one interleaved run, as ratios to fp32 Muon on the same matrix (CPU "
