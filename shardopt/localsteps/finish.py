@@ -4,10 +4,10 @@ Training that stops between two syncs (max_steps not a multiple of sync_every, f
 each replica with its own inner progress since its last sync. `sync_pending` syncs now, off the schedule,
 every fragment that holds such progress on some replica, through the same exchange, error feedback, outer
 SGD step (without its momentum: Fragment.settle says why) and checks as a scheduled sync, so every replica
-ends with θ = θ_outer, bitwise equal, and the final model is the one the outer loop gives. Bytes: at most one round's (`sync_bytes`), plus
-one all-reduce of F fp32 flags that agrees which fragments are due (4·F bytes, counted on the replicate axis
-like every exchange). A second call at the same step finds nothing due and sends only the flags.
-`replicas_consistent` checks the result.
+ends with θ = θ_outer, bitwise equal, and the final model is the one the outer loop gives. Bytes: at most one
+round's (`sync_bytes`), plus one all-reduce of F fp32 flags that agrees which fragments are due (4·F bytes,
+counted on the replicate axis like every exchange). A second call at the same step finds nothing due and
+sends only the flags. `replicas_consistent` checks the result.
 """
 
 from __future__ import annotations

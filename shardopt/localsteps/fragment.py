@@ -10,7 +10,8 @@ A sync is four moves on the fragment's params, x and Δ̄ flat (n,) fp32 over th
     finish()   advance to the end
     apply()    unless discarded: e ← the kept e;  b ← μ·b + Δ̄;  θ_outer ← θ_outer − lr·(Δ̄ + μ·b | b)
 
-Without overlap a sync is start, finish, apply, then θ ← θ_outer (`settle`, at the end of a run: the same). With overlap the exchange started at
+Without overlap a sync is start, finish, apply, then θ ← θ_outer (`settle`, at the end of a run: the same, the
+apply without the momentum). With overlap the exchange started at
 a sync runs during the next round (one `advance` per inner step) and its result is kept in the outer
 state (pending_*, so a checkpoint holds it); the next sync finishes it, applies it and starts its own:
 θ ← θ_outer + (θ − θ_start) (θ ← θ_outer when the applied round was discarded), θ_start ← θ.
@@ -115,9 +116,8 @@ class Fragment:
         self.flight: Flight | None = None
         self.kept: tuple | None = None   # without overlap: (Δ̄, e, discard) of the exchange just finished
 
-    def sync(self, step: int, momentum: bool = True) -> None:
-        """This fragment's sync at `step` (module docstring); without `momentum` (settle) the round that ends
-        here is applied without the outer momentum."""
+    def sync(self, step: int) -> None:
+        """This fragment's sync at `step` (module docstring)."""
         if self.settings.overlap:
             self.finish(step)                                   # the exchange started at the last sync
             discarded = int(self.states[self.params[0]].pending) == PENDING_DISCARD
@@ -128,21 +128,24 @@ class Fragment:
         else:
             self.start(step)
             self.finish(step)
-            self.apply(momentum)
+            self.apply()
             self._set_params(lambda state, param: local(state.params))
 
     def settle(self, step: int) -> None:
         """A sync at `step`, off the schedule, that leaves θ = θ_outer (the end of a run, finish.py): without
-        overlap `sync`; with overlap `sync` (the exchange in flight applied, the progress since it began sent),
-        then that exchange finished and applied at once, θ ← θ_outer, θ_start ← θ, nothing pending. The round
-        it ends is applied without the outer momentum (d = Δ̄, b kept): no later round carries it on, and with
-        it a part round's Δ̄ is pushed by (1 + μ) and b by μ² (Nesterov), which overshoots — measured with μ 0.6
-        at the end of a 200-step run, H 30: val loss 5.91 and 7.31 against 5.29 and 5.23 unsynced)."""
-        self.sync(step, momentum=self.settings.overlap)
+        overlap start, finish, apply; with overlap `sync` (the exchange in flight applied, the progress since it
+        began sent), then that exchange finished and applied at once, nothing pending; then θ ← θ_outer. The
+        round it ends is applied without the outer momentum (d = Δ̄, b kept): no later round carries it on, and
+        with it a part round's Δ̄ is pushed by (1 + μ) and b by μ² (Nesterov), which overshoots — measured with
+        μ 0.6 at the end of a 200-step run, H 30: val loss 5.91 and 7.31 against 5.29 and 5.23 unsynced)."""
         if self.settings.overlap:
-            self.finish(step)
-            self.apply(momentum=False)
-            self._set_params(lambda state, param: local(state.params))
+            self.sync(step)
+        else:
+            self.start(step)
+        self.finish(step)
+        self.apply(momentum=False)
+        self._set_params(lambda state, param: local(state.params))
+        if self.settings.overlap:
             for param in self.params:
                 self.states[param].pending.fill_(PENDING_NONE)
 
