@@ -5,13 +5,15 @@ integrations/model.SIZES (S: width 128, 4 layers, today's; M: width 256; L: widt
     python launch/bench/sizes.py --sizes S M --configs ddp_adamw local_muon_H30_sign_mean_b128 muloco_H30 \\
         local_muon_H30_topk --steps 200                        # the first campaign → results/sizes.csv
 
-A config is one of localsteps.configs() with H ∈ {5, 10, 30, 100} (muloco_H30: Muon inside, int4 outside;
+A config is one of localsteps.configs() with H ∈ {5, 10, 30, 40, 50, 100} (muloco_H30: Muon inside, int4 outside;
 local_defaults: LocalSteps' defaults but sync_every 30); each runs at its own lr × --lr-factors, and at each
 --outer-lrs × --outer-momenta (…_olr1_m0, as in localsteps.py).
 
     python launch/bench/sizes.py --sizes S --steps 400 --configs local_muon_H5_sign_mean_b128 \
         local_muon_H10_sign_mean_b128 local_muon_H30_sign_mean_b128 --outer-lrs 0.7 --outer-momenta 0
-                                                               # the curve of val loss against H Resume: a row already in the CSV (same size, method, lr, seed, steps) is not rerun (--rerun
+                                                               # the curve of val loss against H
+
+Resume: a row already in the CSV (same size, method, lr, seed, steps) is not rerun (--rerun
 runs it again); a finished run folder of the same arguments and code is read back (campaign.py).
 
     results/sizes.csv   size, params, method, inner, exchange, H, replicas, outer_lr, outer_momentum, lr,
@@ -44,7 +46,7 @@ FIELDS = ["size", "params", "method", "inner", "exchange", "H", "replicas", "out
 KEY = ("size", "method", "lr", "seed", "steps")
 REPLICAS = 4            # 4 nodes × 1 rank
 VOCAB = {"bpe": 4096, "byte": 256}
-HORIZONS = (5, 10, 30, 100)     # the H of the local-steps configs (localsteps.py's and 5, for the curve against H)
+HORIZONS = (5, 10, 30, 40, 50, 100)    # the local-steps configs' H (40, 50: ≥ 1000× fewer bytes at 200 steps)
 
 
 def arrange(rows: list[dict]) -> list[dict]:
