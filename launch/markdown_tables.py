@@ -216,13 +216,50 @@ def sizes_horizon_table(rows: list[dict]) -> str:
             if r["H"] != "0":
                 families.setdefault((horizon_family(r["method"]), r["lr"]), []).append(r)
         for (family, lr), members in families.items():
-            if len({r["H"] for r in members}) < 2:
+            by_h: dict[int, list[dict]] = {}
+            for r in members:
+                by_h.setdefault(int(r["H"]), []).append(r)
+            if len(by_h) < 2:
                 continue
-            cells = ", ".join(f"H {r['H']}: {float(r['final_val_loss']):.3f} "
-                              f"({float(r['x_fewer_bytes'] or 'nan'):,.0f}×)" for r in sorted(members, key=lambda r: int(r["H"])))
+            cells = ", ".join(horizon_cell(H, runs) for H, runs in sorted(by_h.items()))
             lines.append(f"| {size} | {steps} | {family} ({lr}) | {cells} | "
                          + " | ".join("–" if v is None else f"{v:.3f}" for v in references) + " |")
     return "\n".join(lines)
+
+def horizon_cell(H: int, runs: list[dict]) -> str:
+    """One H of a family: the lowest final val loss of its runs (seeds), how many when more than one, its x fewer
+    link bytes, and whether it evaluated rank 0's model."""
+    r = min(runs, key=lambda o: float(o["final_val_loss"]))
+    count = f", best of {len(runs)}" if len(runs) > 1 else ""
+    return f"H {H}: {float(r['final_val_loss']):.3f} ({float(r['x_fewer_bytes'] or 'nan'):,.0f}×{count}{unsynced(r)})"
+
+
+def sizes_summary(rows: list[dict], steps: int = 200, fewest_x: float = 1000.0) -> str:
+    """The README's table of results/sizes.csv: per size at `steps`, the best final val loss (over lrs and seeds)
+    of ddp_adamw, ddp_muon, signmuon_lion and local_defaults, and the best local-steps row at ≥ `fewest_x`× fewer
+    link bytes per token than DDP fp32 (of those that end synced, the final sync's bytes counted) with its gap to
+    ddp_adamw."""
+    lines = [f"| size (params, tokens/param) | ddp_adamw | ddp_muon | signmuon_lion (32×) | local_defaults | best local "
+             f"steps at ≥ {fewest_x:,.0f}× | its gap to ddp_adamw |", "|---|---:|---:|---:|---:|---|---:|"]
+    for size in dict.fromkeys(r["size"] for r in rows if int(r["steps"]) == steps):
+        mine = [r for r in rows if r["size"] == size and int(r["steps"]) == steps]
+        best = {name: min((r for r in mine if r["method"] == name), key=lambda r: float(r["final_val_loss"]), default=None)
+                for name in ("ddp_adamw", "ddp_muon", "signmuon_lion", "local_defaults")}
+        cheap = [r for r in mine if r["H"] != "0" and r["x_fewer_bytes"] and float(r["x_fewer_bytes"]) >= fewest_x
+                 and not unsynced(r)]
+        pick = min(cheap, key=lambda r: float(r["final_val_loss"]), default=None)
+        cells = ["–" if r is None else f"{float(r['final_val_loss']):.3f}" for r in best.values()]
+        if best["local_defaults"] is not None:
+            cells[3] += f" ({float(best['local_defaults']['x_fewer_bytes']):,.0f}×)"
+        far = "–" if pick is None else f"{pick['method']}: {float(pick['final_val_loss']):.3f} " \
+                                       f"({float(pick['x_fewer_bytes']):,.0f}×)"
+        gap = "–" if pick is None or best["ddp_adamw"] is None else \
+            f"{float(pick['final_val_loss']) - float(best['ddp_adamw']['final_val_loss']):+.3f}"
+        r0 = mine[0]
+        lines.append(f"| {size} ({int(r0['params']) / 1e6:.1f} M, {int(r0['tokens']) / int(r0['params']):.2f}) | "
+                     + " | ".join(cells) + f" | {far} | {gap} |")
+    return "\n".join(lines)
+
 
 def trainer_bytes_table(rows: list[dict], framework: str) -> str:
     """docs/trainers.md's table of `framework`'s rows of results/trainers.csv (launch/bench/trainer_bytes.py)."""

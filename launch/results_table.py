@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torchft_table
 from integrations.results import read_csv
-from markdown_tables import (headline_table, localsteps_summary, sizes_gap_table, sizes_horizon_table,
+from markdown_tables import (headline_table, localsteps_summary, sizes_gap_table, sizes_horizon_table, sizes_summary,
                              slowlink_summary, table, trainer_bytes_table, training_table)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,6 +268,7 @@ def results_document(paths: list[Path]) -> str:
 
 README_BLOCKS = {"headline": headline_table, "demo": training_table, "slowlink": slowlink_summary,
                  "localsteps": localsteps_summary, "sizes": sizes_gap_table, "sizes_horizons": sizes_horizon_table,
+                 "sizes_summary": sizes_summary,
                  "lightning_bytes": lambda rows: trainer_bytes_table(rows, "lightning"),
                  "torchtitan_bytes": lambda rows: trainer_bytes_table(rows, "torchtitan"), "torchft": torchft_table.markdown}
 # other documents with <!-- NAME:begin (results/X.csv) --> blocks, redrawn with the README

@@ -70,6 +70,29 @@ def test_sizes_horizon_table_lines_up_each_family_by_h_at_one_lr_beside_the_refe
                      "| 4.460 | – |"]      # one H at lr 0.01, one muloco row: no curve
 
 
+def test_seeds_of_one_h_are_one_cell_their_best_and_a_row_of_rank_0s_model_says_so():
+    def row(H, loss, seed, final_model="synced"):
+        return {"size": "S", "method": f"local_x_H{H}_e", "H": H, "lr": "0.02", "steps": "200", "seed": seed,
+                "final_val_loss": loss, "x_fewer_bytes": str(25.6 * int(H)), "final_model": final_model}
+    rows = [row("40", "5.10", "0"), row("40", "5.05", "1"), row("30", "4.99", "0", "rank 0's, 20 local steps")]
+    assert markdown_tables.sizes_horizon_table(rows).splitlines()[2:] == [
+        "| S | 200 | local_x_H*_e (0.02) | H 30: 4.990 (768×; rank 0's model), H 40: 5.050 (1,024×, best of 2) | – | – |"]
+
+
+def test_sizes_summary_gives_each_size_its_bests_and_the_best_synced_row_at_1000x_with_its_gap():
+    def row(size, method, H, loss, fewer, final_model="synced", steps="200"):
+        return {"size": size, "params": "2000000", "method": method, "H": H, "lr": "0.02", "steps": steps,
+                "tokens": "1000000", "final_val_loss": loss, "x_fewer_bytes": fewer, "final_model": final_model}
+    rows = [row("S", "ddp_adamw", "0", "4.70", "1.0"), row("S", "ddp_adamw", "0", "4.69", "1.0"),
+            row("S", "ddp_muon", "0", "4.55", "1.0"), row("S", "local_defaults", "30", "4.98", "731.4"),
+            row("S", "local_a_H40", "40", "5.08", "1024.0"), row("S", "local_b_H30", "30", "4.90", "1058.3", "rank 0's"),
+            row("S", "local_c_H10", "10", "4.79", "256.0"), row("S", "local_d_H40", "40", "4.00", "1024.0", steps="1000"),
+            row("L", "ddp_adamw", "0", "5.20", "1.0")]
+    lines = markdown_tables.sizes_summary(rows).splitlines()[2:]
+    assert lines == ["| S (2.0 M, 0.50) | 4.690 | 4.550 | – | 4.980 (731×) | local_a_H40: 5.080 (1,024×) | +0.390 |",
+                     "| L (2.0 M, 0.50) | 5.200 | – | – | – | – | – |"]
+
+
 def test_slowlink_table_divides_by_ddp_adamw_at_the_same_rate_and_shows_wire_over_counted():
     rows = [_row("ddp_adamw", "inf", "20.0"), _row("fast", "inf", "10.0", step_ms="150.0"),
             _row("ddp_adamw", "10", "900.0", wire="1010"), _row("fast", "10", "12.0", wire="1100"),
