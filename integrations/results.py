@@ -36,10 +36,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return read_csv(Path(run_dir) / "metrics.csv")
 
 
-def horizon_family(method: str) -> str:
-    """A local-steps method's name with its H left out (local_muon_H30_sign_mean_b128_olr0.7_m0 →
-    local_muon_H*_sign_mean_b128_olr0.7_m0): the rows of one family differ only in H."""
-    return re.sub(r"_H\d+", "_H*", method)
+def horizon_family(row: dict) -> str:
+    """The local-steps rows that differ only in H, named by what they share: the optimizer inside, the outer
+    exchange, the outer lr / momentum and the model evaluated (a row of results/sizes.csv → "muon, sign_vote,
+    block 128, outer 0.7 / 0"; "…, rank 0's model" where it evaluated one replica's, final_model).
+    local_defaults at H 30 and local_muon_H40_sign_vote_b128_olr0.7_m0 are one family when LocalSteps' defaults
+    are those settings."""
+    unsynced = "" if row.get("final_model", "synced") in ("synced", "") else ", rank 0's model"
+    return f"{row['inner']}, {row['exchange']}, outer {row['outer_lr']} / {row['outer_momentum']}{unsynced}"
+
 
 def device_name(device: torch.device) -> str:
     """The `device` column of a benchmark row: the GPU's name, or "cpu (N threads)"."""

@@ -202,9 +202,9 @@ def sizes_gap_table(rows: list[dict], fewest_x: float = 1000.0) -> str:
     return "\n".join(lines)
 
 def sizes_horizon_table(rows: list[dict]) -> str:
-    """results/sizes.csv's curve against H: per size, steps and family of local-steps methods that differ only in
-    H (the name with H left out: local_muon_H*_sign_mean_b128_olr0.7_m0) and lr, the final val loss and x fewer
-    link bytes at each H; ddp_adamw's and ddp_muon's best at the same size and steps beside it."""
+    """results/sizes.csv's curve against H: per size, steps, family of local-steps rows that differ only in H
+    (integrations.results.horizon_family: the optimizer inside, exchange, outer lr / momentum) and lr, the final
+    val loss and x fewer link bytes at each H; ddp_adamw's and ddp_muon's best at the same size and steps beside it."""
     lines = ["| size | steps | family (lr) | final val loss (x fewer link bytes) at each H | ddp_adamw | ddp_muon |",
              "|---|---:|---|---|---:|---:|"]
     for size, steps in dict.fromkeys((r["size"], int(r["steps"])) for r in rows):
@@ -214,7 +214,7 @@ def sizes_horizon_table(rows: list[dict]) -> str:
         families: dict[tuple, list[dict]] = {}
         for r in mine:
             if r["H"] != "0":
-                families.setdefault((horizon_family(r["method"]), r["lr"]), []).append(r)
+                families.setdefault((horizon_family(r), r["lr"]), []).append(r)
         for (family, lr), members in families.items():
             by_h: dict[int, list[dict]] = {}
             for r in members:

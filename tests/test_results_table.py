@@ -59,24 +59,22 @@ def test_a_csv_of_several_sizes_is_shown_row_for_row_not_as_one_lr_grid():
 
 
 def test_sizes_horizon_table_lines_up_each_family_by_h_at_one_lr_beside_the_references():
-    def row(method, H, loss, lr="0.02"):
-        return {"size": "S", "method": method, "H": H, "lr": lr, "steps": "400", "final_val_loss": loss,
+    def row(method, H, loss, lr="0.02", exchange="sign_mean, block 128", final_model="synced", seed="0"):
+        return {"size": "S", "method": method, "H": H, "lr": lr, "steps": "400", "final_val_loss": loss, "seed": seed,
+                "inner": "muon", "exchange": exchange, "outer_lr": "0.7", "outer_momentum": "0", "final_model": final_model,
                 "x_fewer_bytes": "1.0" if H == "0" else str(12.8 * int(H))}
     rows = [row("ddp_adamw", "0", "4.46", "0.003"), row("local_x_H30_e_m0", "30", "4.62"),
-            row("local_x_H5_e_m0", "5", "4.41"), row("local_x_H10_e_m0", "10", "4.46"),
-            row("local_x_H10_e_m0", "10", "4.50", "0.01"), row("muloco_H30", "30", "4.9")]
+            row("local_x_H5_e_m0", "5", "4.41"), row("local_defaults", "10", "4.46"),      # the same settings: one family
+            row("local_x_H10_e_m0", "10", "4.50", "0.01"), row("muloco_H30", "30", "4.9", exchange="int4"),
+            row("local_x_H40_e_m0", "40", "4.70"), row("local_x_H40_e_m0", "40", "4.65", seed="1"),
+            row("local_y_H30", "30", "4.60", final_model="rank 0's, 10 local steps"),
+            row("local_y_H10", "10", "4.50", final_model="rank 0's, 10 local steps")]
     lines = markdown_tables.sizes_horizon_table(rows).splitlines()[2:]
-    assert lines == ["| S | 400 | local_x_H*_e_m0 (0.02) | H 5: 4.410 (64×), H 10: 4.460 (128×), H 30: 4.620 (384×) "
-                     "| 4.460 | – |"]      # one H at lr 0.01, one muloco row: no curve
-
-
-def test_seeds_of_one_h_are_one_cell_their_best_and_a_row_of_rank_0s_model_says_so():
-    def row(H, loss, seed, final_model="synced"):
-        return {"size": "S", "method": f"local_x_H{H}_e", "H": H, "lr": "0.02", "steps": "200", "seed": seed,
-                "final_val_loss": loss, "x_fewer_bytes": str(25.6 * int(H)), "final_model": final_model}
-    rows = [row("40", "5.10", "0"), row("40", "5.05", "1"), row("30", "4.99", "0", "rank 0's, 20 local steps")]
-    assert markdown_tables.sizes_horizon_table(rows).splitlines()[2:] == [
-        "| S | 200 | local_x_H*_e (0.02) | H 30: 4.990 (768×; rank 0's model), H 40: 5.050 (1,024×, best of 2) | – | – |"]
+    assert lines == ["| S | 400 | muon, sign_mean, block 128, outer 0.7 / 0 (0.02) | H 5: 4.410 (64×), H 10: 4.460 (128×), "
+                     "H 30: 4.620 (384×), H 40: 4.650 (512×, best of 2) | 4.460 | – |",
+                     "| S | 400 | muon, sign_mean, block 128, outer 0.7 / 0, rank 0's model (0.02) | H 10: 4.500 (128×; "
+                     "rank 0's model), H 30: 4.600 (384×; rank 0's model) | 4.460 | – |"]
+    # one H at lr 0.01 and one int4 row: no curve
 
 
 def test_sizes_summary_gives_each_size_its_bests_and_the_best_synced_row_at_1000x_with_its_gap():

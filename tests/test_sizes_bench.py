@@ -33,3 +33,9 @@ def test_rows_are_against_ddp_adamw_of_the_same_size_and_steps():
     assert by[("S", "local_x", "5.0")]["x_fewer_bytes"] == "80.0"      # the lowest-loss ddp_adamw of S
     assert by[("M", "local_x", "5.0")]["x_fewer_bytes"] == "400.0"
     assert by[("L", "local_x", "5.0")]["x_fewer_bytes"] == ""          # no ddp_adamw row at L
+
+
+def test_a_curve_against_h_has_one_point_per_h_the_lowest_loss_there():
+    rows = [{"H": "40", "final_val_loss": "5.08"}, {"H": "30", "final_val_loss": "5.03"},
+            {"H": "40", "final_val_loss": "5.01"}, {"H": "30", "final_val_loss": "4.97"}]
+    assert sizes.lowest_at_each_h(rows) == [(30, 4.97), (40, 5.01)]

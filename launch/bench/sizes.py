@@ -24,7 +24,7 @@ runs it again); a finished run folder of the same arguments and code is read bac
                         bytes_per_token_vs_ddp_fp32 (link bytes / ddp_adamw's at the same size and steps, its
                         best lr) and x_fewer_bytes (its inverse; blank without that row), compute_s (the run's
                         own step times, measured while the machine was shared)
-    results/sizes.png   per size and steps: val loss against link bytes per token, and against H (no
+    results/sizes.png   per size: val loss against link bytes per token at 200 steps, and against H (no
                         --configs: only redraw it)
 """
 
@@ -46,6 +46,7 @@ FIELDS = ["size", "params", "method", "inner", "exchange", "H", "replicas", "out
 KEY = ("size", "method", "lr", "seed", "steps")
 REPLICAS = 4            # 4 nodes × 1 rank
 VOCAB = {"bpe": 4096, "byte": 256}
+STYLES = ("--", "-.", ":")          # ddp_adamw's line at each step count of a size (against H)
 HORIZONS = (5, 10, 30, 40, 50, 100)    # the local-steps configs' H (40, 50: ≥ 1000× fewer bytes at 200 steps)
 
 
@@ -99,20 +100,22 @@ def run_one(finals: campaign.Campaign, config: localsteps.Config, size: str, lr:
                 "replicate_bytes_total": summary.replicate_bytes_total, "compute_s": f"{summary.curve[-1][1]:.1f}"})
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """Per size and steps (a column): above, val loss against link bytes per token (/ DDP fp32's), each method at
-    its best lr and seed a marker (squares: every step), ddp_adamw's loss a line; below, val loss against H, a
-    line per local-steps family (the method's name with H left out), the per-step references as lines."""
+def plot(rows: list[dict], path: Path, steps: int = 200) -> None:
+    """A column per size: above, val loss against link bytes per token (/ DDP fp32's) at `steps` (the size's
+    fewest steps where it has no run of `steps`), each method at its best lr and seed a marker (squares: every
+    step), ddp_adamw's loss a dashed line; below, val loss against H at every step count of the size, a line per
+    local-steps family (the method's name with H left out, and its steps), ddp_adamw's losses dashed lines."""
     from integrations.plot import panels, save   # matplotlib (the train extra): only to draw
-    cases = list(dict.fromkeys((r["size"], int(r["steps"])) for r in rows if r["bytes_per_token_vs_ddp_fp32"]))
-    if not cases:
+    measured = [r for r in rows if r["bytes_per_token_vs_ddp_fp32"]]
+    sizes = list(dict.fromkeys(r["size"] for r in measured))
+    if not sizes:
         return
-    figure, axes = panels(2, len(cases), figsize=(6 * len(cases), 10), squeeze=False)
-    for column, (size, steps) in enumerate(cases):
-        best = sorted(localsteps.best_rows([r for r in rows if (r["size"], int(r["steps"])) == (size, steps)
-                                            and r["bytes_per_token_vs_ddp_fp32"]]), key=lambda r: r["method"])
-        title = f"{size} ({int(best[0]['params']) / 1e6:.2f} M params), {steps} steps"
-        draw_bytes(axes[0, column], best, title)
+    figure, axes = panels(2, len(sizes), figsize=(7 * len(sizes), 12), squeeze=False)
+    for column, size in enumerate(sizes):
+        best = sorted(localsteps.best_rows([r for r in measured if r["size"] == size]), key=lambda r: r["method"])
+        shown = steps if any(int(r["steps"]) == steps for r in best) else min(int(r["steps"]) for r in best)
+        title = f"{size} ({int(best[0]['params']) / 1e6:.2f} M params)"
+        draw_bytes(axes[0, column], [r for r in best if int(r["steps"]) == shown], f"{title}, {shown} steps")
         draw_horizons(axes[1, column], best, title)
     save(figure, path)
 
@@ -127,26 +130,37 @@ def draw_bytes(axis, best: list[dict], title: str) -> None:
         axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), float(row["final_val_loss"]),
                      marker="s" if row["H"] == "0" else "o", color=colour(index), label=row["method"])
     axis.set(xscale="log", xlabel="link bytes per token / DDP fp32's", ylabel="final val loss", title=title)
-    axis.legend(fontsize=6, loc="upper right")
+    axis.legend(fontsize=7, loc="upper right")
 
 
 def draw_horizons(axis, best: list[dict], title: str) -> None:
-    """Val loss against H: a line (or a lone marker) per family of local-steps methods that differ only in H
-    (local_muon_H*_sign_mean_b128_olr0.7_m0), the per-step methods as horizontal lines."""
+    """Val loss against H: a line per family of local-steps rows that differ only in H (horizon_family) at one
+    step count, with two or more H; ddp_adamw's loss at each step count a line of its own style."""
     from integrations.plot import colour
     families: dict[str, list[dict]] = {}
-    for row in best:
-        if row["H"] == "0":
-            axis.axhline(float(row["final_val_loss"]), linestyle="--" if row["method"] == localsteps.BASELINE else ":",
-                         color="black" if row["method"] == localsteps.BASELINE else "grey", label=row["method"])
-        else:
-            families.setdefault(horizon_family(row["method"]), []).append(row)
-    for index, (family, members) in enumerate(families.items()):
-        members.sort(key=lambda r: int(r["H"]))
-        axis.plot([int(r["H"]) for r in members], [float(r["final_val_loss"]) for r in members], marker="o",
-                  color=colour(index + 10), label=family)
-    axis.set(xscale="log", xlabel="H (inner steps between syncs)", ylabel="final val loss", title=title)
-    axis.legend(fontsize=6, loc="upper left")
+    styles: list[str] = []
+    for row in sorted(best, key=lambda r: int(r["steps"])):
+        label = f"{row['steps']} steps"
+        if row["method"] == localsteps.BASELINE:
+            axis.axhline(float(row["final_val_loss"]), linestyle=STYLES[len(styles) % len(STYLES)], color="black",
+                         label=f"ddp_adamw, {label}")
+            styles.append(label)
+        elif row["H"] != "0":
+            families.setdefault(f"{horizon_family(row)}, {label}", []).append(row)
+    curves = {family: lowest_at_each_h(members) for family, members in families.items()}
+    for index, (family, points) in enumerate((f, p) for f, p in curves.items() if len(p) > 1):
+        axis.plot(*zip(*points), marker="o", color=colour(index), label=family)
+    axis.set(xscale="log", xlabel="H (inner steps between syncs)", ylabel="final val loss",
+             title=f"{title}: against H")
+    axis.legend(fontsize=7, loc="upper left")
+
+
+def lowest_at_each_h(rows: list[dict]) -> list[tuple[int, float]]:
+    """(H, the lowest final val loss of the rows at that H), by H."""
+    lowest: dict[int, float] = {}
+    for row in rows:
+        lowest[int(row["H"])] = min(float(row["final_val_loss"]), lowest.get(int(row["H"]), float("inf")))
+    return sorted(lowest.items())
 
 
 def main() -> None:
