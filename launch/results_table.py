@@ -219,7 +219,22 @@ SOURCES = {
                    "local_muon_H30_topk_as_int4 --outer-lrs 0.7 --outer-momenta 0",
                    "python launch/bench/sizes.py --sizes L --steps 200 --configs ddp_adamw ddp_muon --lr-factors 0.5 1",
                    "python launch/bench/sizes.py --sizes S M L --steps 200 --configs local_defaults --seeds 0 1 "
-                   "--lr-factors 0.5 1 2"
+                   "--lr-factors 0.5 1 2",
+                   "python launch/bench/sizes.py --sizes S M L --steps 200 --configs local_muon_H40_sign_vote_b128 "
+                   "--outer-lrs 0.7 --outer-momenta 0",
+                   "python launch/bench/sizes.py --sizes S --steps 200 --configs local_muon_H40_sign_vote_b128 "
+                   "--outer-lrs 0.7 --outer-momenta 0 --seeds 0 1 --lr-factors 0.5 1 2",
+                   "python launch/bench/sizes.py --sizes S --steps 200 --configs local_muon_H10_sign_vote_b128 "
+                   "local_muon_H50_sign_vote_b128 local_muon_H100_sign_vote_b128 --outer-lrs 0.7 --outer-momenta 0",
+                   "python launch/bench/sizes.py --sizes S --steps 1000 --configs local_muon_H40_sign_vote_b128 "
+                   "--outer-lrs 0.7 --outer-momenta 0",
+                   "python launch/bench/sizes.py --sizes S --steps 1000 --configs ddp_adamw --lr-factors 0.5",
+                   "python launch/bench/sizes.py --sizes M L --steps 200 --configs signmuon_lion",
+                   "python launch/bench/sizes.py --sizes S --steps 200 --configs ddp_muon --lr-factors 0.5 1 2 --seeds 0 1",
+                   "python launch/bench/sizes.py --sizes L --steps 200 --configs ddp_muon --lr-factors 0.5",
+                   "python launch/bench/sizes.py --sizes S --steps 200 --configs ddp_adamw --lr-factors 0.5 --seeds 1",
+                   "python launch/bench/sizes.py --sizes L --steps 200 --configs ddp_adamw --lr-factors 0.125 0.0625 0.03125",
+                   "python launch/bench/sizes.py --sizes S --steps 200 --configs diloco_m0.6_H30 diloco_m0.6_H100"
                    "   # (each resumes: rows already there are kept; the figure: results/sizes.png)"),
                   "Issue 42's campaign: the benchmark GPT at sizes S, M, L (integrations/model.SIZES), 4 replicas × "
                   "1 rank; x_fewer_bytes against ddp_adamw of the same size and steps (its best lr). Not every row "

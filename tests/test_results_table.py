@@ -39,6 +39,7 @@ def test_sizes_gap_table_gives_each_size_its_references_best_local_row_and_gaps_
     rows = [row("S", "ddp_adamw", "0", "4.50", "1.0", "0.003"), row("S", "ddp_adamw", "0", "4.40", "1.0", "0.0015"),
             row("S", "ddp_muon", "0", "4.30", "1.0"), row("S", "local_a_H10", "10", "4.45", "400.0"),
             row("S", "local_b_H30", "30", "4.60", "1200.0"), row("S", "local_b_H30", "30", "4.70", "1200.0", "0.01"),
+            {**row("S", "local_c_H30", "30", "4.55", "1300.0"), "final_model": "rank 0's, 20 local steps"},   # no final sync
             row("M", "ddp_adamw", "0", "4.0", "1.0")]
     lines = markdown_tables.sizes_gap_table(rows).splitlines()[2:]
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines]

@@ -39,3 +39,9 @@ def test_a_curve_against_h_has_one_point_per_h_the_lowest_loss_there():
     rows = [{"H": "40", "final_val_loss": "5.08"}, {"H": "30", "final_val_loss": "5.03"},
             {"H": "40", "final_val_loss": "5.01"}, {"H": "30", "final_val_loss": "4.97"}]
     assert sizes.lowest_at_each_h(rows) == [(30, 4.97), (40, 5.01)]
+
+
+def test_a_panel_tops_out_above_ddp_adamw_so_a_diverged_run_does_not_squash_the_others():
+    rows = [{"method": "ddp_adamw", "final_val_loss": "4.7"}, {"method": "ddp_adamw", "final_val_loss": "4.6"},
+            {"method": "diloco_m0.6_H100", "final_val_loss": "13.2"}]
+    assert sizes.ceiling(rows) == 4.7 + 1.5 and sizes.ceiling(rows[2:]) == float("inf")

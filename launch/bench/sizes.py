@@ -127,8 +127,10 @@ def draw_bytes(axis, best: list[dict], title: str) -> None:
         if row["method"] == localsteps.BASELINE:
             axis.axhline(float(row["final_val_loss"]), color="black", linestyle="--", label=row["method"])
             continue
-        axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), float(row["final_val_loss"]),
-                     marker="s" if row["H"] == "0" else "o", color=colour(index), label=row["method"])
+        loss, top = float(row["final_val_loss"]), ceiling(best)
+        axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), min(loss, top), color=colour(index),
+                     marker="^" if loss > top else "s" if row["H"] == "0" else "o",
+                     label=row["method"] + (f" ({loss:.2f}, off the scale)" if loss > top else ""))
     axis.set(xscale="log", xlabel="link bytes per token / DDP fp32's", ylabel="final val loss", title=title)
     axis.legend(fontsize=7, loc="upper right")
 
@@ -148,11 +150,21 @@ def draw_horizons(axis, best: list[dict], title: str) -> None:
         elif row["H"] != "0":
             families.setdefault(f"{horizon_family(row)}, {label}", []).append(row)
     curves = {family: lowest_at_each_h(members) for family, members in families.items()}
+    top = ceiling(best)
     for index, (family, points) in enumerate((f, p) for f, p in curves.items() if len(p) > 1):
-        axis.plot(*zip(*points), marker="o", color=colour(index), label=family)
+        off = [f"H {H}: {loss:.2f}" for H, loss in points if loss > top]
+        axis.plot([H for H, _ in points], [min(loss, top) for _, loss in points], marker="o", color=colour(index),
+                  label=family + (f" (off the scale: {', '.join(off)})" if off else ""))
     axis.set(xscale="log", xlabel="H (inner steps between syncs)", ylabel="final val loss",
              title=f"{title}: against H")
     axis.legend(fontsize=7, loc="upper left")
+
+
+def ceiling(rows: list[dict], above: float = 1.5) -> float:
+    """The top of a panel's loss axis: ddp_adamw's highest best loss among `rows` + `above` (a diverged run would
+    squash the others; it is drawn at the top, its loss in the legend)."""
+    baselines = [float(r["final_val_loss"]) for r in rows if r["method"] == localsteps.BASELINE]
+    return max(baselines) + above if baselines else float("inf")
 
 
 def lowest_at_each_h(rows: list[dict]) -> list[tuple[int, float]]:
