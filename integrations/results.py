@@ -5,7 +5,6 @@ launch/bench/, launch/results_table.py and integrations/plot.py."""
 from __future__ import annotations
 
 import csv
-import re
 from pathlib import Path
 
 import torch
@@ -44,6 +43,14 @@ def horizon_family(row: dict) -> str:
     are those settings."""
     unsynced = "" if row.get("final_model", "synced") in ("synced", "") else ", rank 0's model"
     return f"{row['inner']}, {row['exchange']}, outer {row['outer_lr']} / {row['outer_momentum']}{unsynced}"
+
+
+def rows_by_horizon(rows: list[dict]) -> list[tuple[int, list[dict]]]:
+    """`rows` (one family's: horizon_family) grouped by their H, in order of H."""
+    grouped: dict[int, list[dict]] = {}
+    for row in rows:
+        grouped.setdefault(int(row["H"]), []).append(row)
+    return sorted(grouped.items())
 
 
 def device_name(device: torch.device) -> str:

@@ -2,7 +2,7 @@
 the columns), the README's summary tables and docs/trainers.md's byte tables. launch/results_table.py
 puts them into those documents and docs/results.md."""
 
-from integrations.results import horizon_family
+from integrations.results import horizon_family, rows_by_horizon
 
 INF = float("inf")
 
@@ -171,6 +171,18 @@ def unsynced(row: dict) -> str:
     return "" if row.get("final_model", "synced") in ("synced", "") else "; rank 0's model"
 
 
+def lowest(rows) -> dict | None:
+    """The row of `rows` with the lowest final val loss (None when there is none)."""
+    return min(rows, key=lambda r: float(r["final_val_loss"]), default=None)
+
+
+def lowest_far(rows: list[dict], fewest_x: float) -> dict | None:
+    """The lowest local-steps row of `rows` at ≥ `fewest_x`× fewer link bytes per token than DDP fp32, of those that
+    end synced (the final sync's bytes counted; rows from before it evaluated rank 0's model and counted none)."""
+    return lowest(r for r in rows if r["H"] != "0" and r["x_fewer_bytes"] and float(r["x_fewer_bytes"]) >= fewest_x
+                  and not unsynced(r))
+
+
 def sizes_gap_table(rows: list[dict], fewest_x: float = 1000.0) -> str:
     """results/sizes.csv's summary: per size and steps, the per-step references (ddp_adamw, ddp_muon,
     signmuon_lion), local_defaults (and local_defaults_m0.6: the earlier defaults, outer momentum 0.6), the best
@@ -182,15 +194,10 @@ def sizes_gap_table(rows: list[dict], fewest_x: float = 1000.0) -> str:
              "bytes | gap to ddp_adamw | gap to ddp_muon |", "|---|---:|---|---|---:|---:|---:|---:|"]
     for size, steps in dict.fromkeys((r["size"], int(r["steps"])) for r in rows):
         mine = [r for r in rows if (r["size"], int(r["steps"])) == (size, steps)]
-
-        def best(chosen: list[dict]) -> dict | None:
-            return min(chosen, key=lambda r: float(r["final_val_loss"])) if chosen else None
-        local = [r for r in mine if r["H"] != "0" and r["x_fewer_bytes"]]
-        picks = {name: best([r for r in mine if r["method"] == name])
+        picks = {name: lowest(r for r in mine if r["method"] == name)
                  for name in ("ddp_adamw", "ddp_muon", "signmuon_lion", "local_defaults", "local_defaults_m0.6")}
-        picks["best local steps"] = best(local)
-        picks[f"best at ≥ {fewest_x:,.0f}×"] = best([r for r in local if float(r["x_fewer_bytes"]) >= fewest_x
-                                                      and not unsynced(r)])    # (the final sync's bytes counted)
+        picks["best local steps"] = lowest(r for r in mine if r["H"] != "0" and r["x_fewer_bytes"])
+        picks[f"best at ≥ {fewest_x:,.0f}×"] = lowest_far(mine, fewest_x)
         for label, r in picks.items():
             if r is None:
                 continue
@@ -218,12 +225,10 @@ def sizes_horizon_table(rows: list[dict]) -> str:
             if r["H"] != "0":
                 families.setdefault((horizon_family(r), r["lr"]), []).append(r)
         for (family, lr), members in families.items():
-            by_h: dict[int, list[dict]] = {}
-            for r in members:
-                by_h.setdefault(int(r["H"]), []).append(r)
+            by_h = rows_by_horizon(members)
             if len(by_h) < 2:
                 continue
-            cells = ", ".join(horizon_cell(H, runs) for H, runs in sorted(by_h.items()))
+            cells = ", ".join(horizon_cell(H, runs) for H, runs in by_h)
             lines.append(f"| {size} | {steps} | {family} ({lr}) | {cells} | "
                          + " | ".join("–" if v is None else f"{v:.3f}" for v in references) + " |")
     return "\n".join(lines)
@@ -231,7 +236,7 @@ def sizes_horizon_table(rows: list[dict]) -> str:
 def horizon_cell(H: int, runs: list[dict]) -> str:
     """One H of a family: the lowest final val loss of its runs (seeds), how many when more than one, its x fewer
     link bytes, and whether it evaluated rank 0's model."""
-    r = min(runs, key=lambda o: float(o["final_val_loss"]))
+    r = lowest(runs)
     count = f", best of {len(runs)}" if len(runs) > 1 else ""
     return f"H {H}: {float(r['final_val_loss']):.3f} ({float(r['x_fewer_bytes'] or 'nan'):,.0f}×{count}{unsynced(r)})"
 
@@ -239,17 +244,14 @@ def horizon_cell(H: int, runs: list[dict]) -> str:
 def sizes_summary(rows: list[dict], steps: int = 200, fewest_x: float = 1000.0) -> str:
     """The README's table of results/sizes.csv: per size at `steps`, the best final val loss (over lrs and seeds)
     of ddp_adamw, ddp_muon, signmuon_lion and local_defaults, and the best local-steps row at ≥ `fewest_x`× fewer
-    link bytes per token than DDP fp32 (of those that end synced, the final sync's bytes counted) with its gap to
-    ddp_adamw."""
+    link bytes per token than DDP fp32 (`lowest_far`) with its gap to ddp_adamw."""
     lines = [f"| size (params, tokens/param) | ddp_adamw | ddp_muon | signmuon_lion (32×) | local_defaults | best local "
              f"steps at ≥ {fewest_x:,.0f}× | its gap to ddp_adamw |", "|---|---:|---:|---:|---:|---|---:|"]
     for size in dict.fromkeys(r["size"] for r in rows if int(r["steps"]) == steps):
         mine = [r for r in rows if r["size"] == size and int(r["steps"]) == steps]
-        best = {name: min((r for r in mine if r["method"] == name), key=lambda r: float(r["final_val_loss"]), default=None)
+        best = {name: lowest(r for r in mine if r["method"] == name)
                 for name in ("ddp_adamw", "ddp_muon", "signmuon_lion", "local_defaults")}
-        cheap = [r for r in mine if r["H"] != "0" and r["x_fewer_bytes"] and float(r["x_fewer_bytes"]) >= fewest_x
-                 and not unsynced(r)]
-        pick = min(cheap, key=lambda r: float(r["final_val_loss"]), default=None)
+        pick = lowest_far(mine, fewest_x)
         cells = ["–" if r is None else f"{float(r['final_val_loss']):.3f}" for r in best.values()]
         if best["local_defaults"] is not None:
             cells[3] += f" ({float(best['local_defaults']['x_fewer_bytes']):,.0f}×)"

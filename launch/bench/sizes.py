@@ -38,7 +38,7 @@ import campaign
 import localsteps
 import runs
 from integrations.model import SIZES, GPTConfig, parameter_count
-from integrations.results import horizon_family
+from integrations.results import horizon_family, rows_by_horizon
 
 FIELDS = ["size", "params", "method", "inner", "exchange", "H", "replicas", "outer_lr", "outer_momentum", "lr",
           "scalar_lr", "seed", "steps", "tokens", "final_model", "final_val_loss", "replicate_bytes_total",
@@ -104,7 +104,7 @@ def plot(rows: list[dict], path: Path, steps: int = 200) -> None:
     """A column per size: above, val loss against link bytes per token (/ DDP fp32's) at `steps` (the size's
     fewest steps where it has no run of `steps`), each method at its best lr and seed a marker (squares: every
     step), ddp_adamw's loss a dashed line; below, val loss against H at every step count of the size, a line per
-    local-steps family (the method's name with H left out, and its steps), ddp_adamw's losses dashed lines."""
+    family of local-steps rows (horizon_family, and its steps), ddp_adamw's loss at each step count a line."""
     from integrations.plot import panels, save   # matplotlib (the train extra): only to draw
     measured = [r for r in rows if r["bytes_per_token_vs_ddp_fp32"]]
     sizes = list(dict.fromkeys(r["size"] for r in measured))
@@ -123,11 +123,12 @@ def plot(rows: list[dict], path: Path, steps: int = 200) -> None:
 def draw_bytes(axis, best: list[dict], title: str) -> None:
     """Val loss against link bytes per token, a marker per method, ddp_adamw a dashed line."""
     from integrations.plot import colour
+    top = ceiling(best)
     for index, row in enumerate(best):
         if row["method"] == localsteps.BASELINE:
             axis.axhline(float(row["final_val_loss"]), color="black", linestyle="--", label=row["method"])
             continue
-        loss, top = float(row["final_val_loss"]), ceiling(best)
+        loss = float(row["final_val_loss"])
         axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), min(loss, top), color=colour(index),
                      marker="^" if loss > top else "s" if row["H"] == "0" else "o",
                      label=row["method"] + (f" ({loss:.2f}, off the scale)" if loss > top else ""))
@@ -169,10 +170,7 @@ def ceiling(rows: list[dict], above: float = 1.5) -> float:
 
 def lowest_at_each_h(rows: list[dict]) -> list[tuple[int, float]]:
     """(H, the lowest final val loss of the rows at that H), by H."""
-    lowest: dict[int, float] = {}
-    for row in rows:
-        lowest[int(row["H"])] = min(float(row["final_val_loss"]), lowest.get(int(row["H"]), float("inf")))
-    return sorted(lowest.items())
+    return [(H, min(float(r["final_val_loss"]) for r in runs)) for H, runs in rows_by_horizon(rows)]
 
 
 def main() -> None:
