@@ -184,8 +184,9 @@ def lowest_far(rows: list[dict], fewest_x: float) -> dict | None:
 
 
 def sizes_gap_table(rows: list[dict], fewest_x: float = 1000.0) -> str:
-    """results/sizes.csv's summary: per size and steps, the per-step references (ddp_adamw, ddp_muon,
-    signmuon_lion), local_defaults (and local_defaults_m0.6: the earlier defaults, outer momentum 0.6), the best
+    """results/sizes.csv's summary: per size and steps, the per-step methods (ddp_adamw, ddp_muon, signmuon_lion,
+    dion_1/4_lion), local_defaults (and local_defaults_m0.6: the earlier defaults, outer momentum 0.6), the best
+    DiLoCo, MuLoCo (diloco_*, muloco_*) and top-k row (every H and outer setting), the best
     LocalSteps row (lowest final val loss over every local-steps config, lr and seed) and the best of those at
     ≥ `fewest_x` × fewer link bytes per token than DDP fp32 that end synced; each with its gap (final val loss −
     the reference's best) to ddp_adamw and ddp_muon, and the spread over its runs (a row that evaluated rank 0's
@@ -194,8 +195,11 @@ def sizes_gap_table(rows: list[dict], fewest_x: float = 1000.0) -> str:
              "bytes | gap to ddp_adamw | gap to ddp_muon |", "|---|---:|---|---|---:|---:|---:|---:|"]
     for size, steps in dict.fromkeys((r["size"], int(r["steps"])) for r in rows):
         mine = [r for r in rows if (r["size"], int(r["steps"])) == (size, steps)]
-        picks = {name: lowest(r for r in mine if r["method"] == name)
-                 for name in ("ddp_adamw", "ddp_muon", "signmuon_lion", "local_defaults", "local_defaults_m0.6")}
+        picks = {name: lowest(r for r in mine if r["method"] == name) for name in
+                 ("ddp_adamw", "ddp_muon", "signmuon_lion", "dion_1/4_lion", "local_defaults", "local_defaults_m0.6")}
+        picks["DiLoCo"] = lowest(r for r in mine if r["method"].startswith("diloco_"))
+        picks["MuLoCo"] = lowest(r for r in mine if r["method"].startswith("muloco_"))
+        picks["topk"] = lowest(r for r in mine if r["exchange"].startswith("topk"))
         picks["best local steps"] = lowest(r for r in mine if r["H"] != "0" and r["x_fewer_bytes"])
         picks[f"best at ≥ {fewest_x:,.0f}×"] = lowest_far(mine, fewest_x)
         for label, r in picks.items():

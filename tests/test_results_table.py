@@ -32,22 +32,30 @@ def test_localsteps_summary_shows_the_peers_the_bests_and_the_most_compressed_at
     assert markdown_tables.localsteps_summary(rows + [other_mesh]) == markdown_tables.localsteps_summary(rows)
 
 
-def test_sizes_gap_table_gives_each_size_its_references_best_local_row_and_gaps_with_the_spread():
-    def row(size, method, H, loss, fewer, lr="0.02"):
+def test_sizes_gap_table_gives_each_size_its_references_methods_best_local_row_and_gaps_with_the_spread():
+    def row(size, method, H, loss, fewer, lr="0.02", exchange="sign_mean, block 128"):
         return {"size": size, "params": "1000000", "method": method, "H": H, "lr": lr, "steps": "400",
-                "tokens": "2000000", "final_val_loss": loss, "x_fewer_bytes": fewer}
+                "tokens": "2000000", "final_val_loss": loss, "x_fewer_bytes": fewer, "exchange": exchange}
     rows = [row("S", "ddp_adamw", "0", "4.50", "1.0", "0.003"), row("S", "ddp_adamw", "0", "4.40", "1.0", "0.0015"),
             row("S", "ddp_muon", "0", "4.30", "1.0"), row("S", "local_a_H10", "10", "4.45", "400.0"),
             row("S", "local_b_H30", "30", "4.60", "1200.0"), row("S", "local_b_H30", "30", "4.70", "1200.0", "0.01"),
             {**row("S", "local_c_H30", "30", "4.55", "1300.0"), "final_model": "rank 0's, 20 local steps"},   # no final sync
+            row("S", "diloco_m0.6_H100", "100", "9.0", "100.0", exchange="mean"),
+            row("S", "diloco_m0.6_H30", "30", "4.90", "29.0", exchange="mean"),
+            row("S", "muloco_H30_olr0.7_m0", "30", "4.48", "227.0", exchange="int4"),
+            row("S", "local_muon_H30_topk_as_int4", "30", "4.70", "227.0", exchange="topk, density 0.143"),
             row("M", "ddp_adamw", "0", "4.0", "1.0")]
     lines = markdown_tables.sizes_gap_table(rows).splitlines()[2:]
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines]
-    assert [c[2] for c in cells] == ["ddp_adamw", "ddp_muon", "best local steps", "best at ≥ 1,000×", "ddp_adamw"]
+    assert [c[2] for c in cells] == ["ddp_adamw", "ddp_muon", "DiLoCo", "MuLoCo", "topk", "best local steps",
+                                     "best at ≥ 1,000×", "ddp_adamw"]
     assert cells[0][3:5] == ["ddp_adamw (lr 0.0015)", "4.400 (2: 4.400–4.500)"] and cells[0][1] == "400 (2.00)"
-    assert cells[2][3] == "local_a_H10 (lr 0.02)" and cells[2][6:] == ["+0.050", "+0.150"]
-    assert cells[3][4:] == ["4.600 (2: 4.600–4.700)", "1,200×", "+0.200", "+0.300"]
-    assert cells[4][0] == "M (1.00 M)" and cells[4][7] == "–"          # M has no ddp_muon row
+    assert [c[3].split()[0] for c in cells[2:5]] == ["diloco_m0.6_H30", "muloco_H30_olr0.7_m0",
+                                                      "local_muon_H30_topk_as_int4"]
+    assert cells[2][4] == "4.900 (1: 4.900–4.900)" and cells[3][6:] == ["+0.080", "+0.180"]
+    assert cells[5][3] == "local_a_H10 (lr 0.02)" and cells[5][6:] == ["+0.050", "+0.150"]
+    assert cells[6][4:] == ["4.600 (2: 4.600–4.700)", "1,200×", "+0.200", "+0.300"]
+    assert cells[7][0] == "M (1.00 M)" and cells[7][7] == "–"          # M has no ddp_muon row
 
 
 def test_a_csv_of_several_sizes_is_shown_row_for_row_not_as_one_lr_grid():
