@@ -230,6 +230,34 @@ def test_an_optimizer_without_heal_counters_cannot_heal():
         Healing(object.__new__(Manager), object(), per_step=True)
 
 
+def test_a_heal_payload_of_another_shardopt_version_is_refused_before_anything_changes():
+    import torch
+    from torchft.manager import Manager
+
+    import shardopt
+    from shardopt.torchft.heal import Healing
+
+    def healing():
+        manager = object.__new__(Manager)
+        manager._load_state_dict_fns, manager._user_state_dicts = {}, {}
+        param = torch.nn.Parameter(torch.ones(4, 4))
+        optimizer = shardopt.Dion([param], lr=0.01)
+        param.grad = torch.ones(4, 4)
+        optimizer.step()
+        return param, Healing(manager, optimizer, per_step=True)
+    (peer_param, peer), (param, joiner) = healing(), healing()
+    payload = peer.save()
+    with torch.no_grad():
+        param.add_(1.0)
+    before = param.detach().clone()
+    for stale in ({key: value for key, value in payload.items() if key != "format"}, {**payload, "format": 0}):
+        with pytest.raises(ValueError, match="same shardopt version"):
+            joiner.load(stale)
+        assert torch.equal(param, before) and joiner.heals == 0
+    joiner.load(payload)   # the same version heals: the peer's params
+    assert joiner.heals == 1 and torch.equal(param, peer_param)
+
+
 def test_the_torchft_privates_are_where_the_catalogue_says():
     from shardopt.torchft import internals
     internals.check()

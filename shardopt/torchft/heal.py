@@ -10,6 +10,8 @@ rank heals from the same shard rank of the peer):
     params      the params (per-step optimizers only: LocalSteps sets θ ← θ_outer at the round's end)
     counters    what decides which collectives a step issues (the double-averaging schedule): the
                 optimizer's `heal_counters` (wire/rounds.HealCounters), saved and loaded by their owner
+    format      FORMAT, the payload's layout: a joiner refuses a peer's payload of another format (a group
+                of another shardopt version) before it changes anything
 
 Left out: the error feedback e. It is a replica's own residual (what the wire dropped from *its* x);
 a copy of a peer's would be carried into the next sync twice, so a healed replica starts with e = 0.
@@ -29,6 +31,7 @@ from ..localsteps.state import ERROR_KEY
 from .internals import serves_key
 
 KEY = "shardopt"
+FORMAT = 1   # the payload's layout (module docstring); raise it when a key above changes
 
 
 @dataclass
@@ -105,7 +108,7 @@ class Healing:
     def save(self) -> dict:
         state_dict = self.owner.state_dict()
         payload = {"optimizer": to_wire(_without_error(state_dict)),
-                   "counters": self.owner.heal_counters.save_counters()}
+                   "counters": self.owner.heal_counters.save_counters(), "format": FORMAT}
         if self.per_step:
             payload["params"] = [to_wire(local(p)) for p in self._params()]
         self.sent_bytes += tensor_bytes(payload)
@@ -113,6 +116,10 @@ class Healing:
 
     @torch.no_grad()
     def load(self, payload: dict) -> None:
+        if payload.get("format") != FORMAT:
+            raise ValueError(f"a peer sent a heal payload of format {payload.get('format', 'none (shardopt 0.3)')}, "
+                             f"this replica reads format {FORMAT}: every replica group must run the same shardopt "
+                             f"version; install one version everywhere and restart the groups")
         params = self._params()
         mesh = next((p.device_mesh for p in params if is_dtensor(p)), None)
         self.owner.load_state_dict(from_wire(payload["optimizer"], mesh))
