@@ -35,13 +35,47 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return read_csv(Path(run_dir) / "metrics.csv")
 
 
+def is_synced(row: dict) -> bool:
+    """Whether a row of results/sizes.csv evaluated the replicas' synced model (final_model "synced"; blank in
+    rows of other CSVs) rather than one replica's."""
+    return row.get("final_model", "synced") in ("synced", "")
+
+
+def lowest(rows) -> dict | None:
+    """The row of `rows` with the lowest final val loss (None when there is none)."""
+    return min(rows, key=lambda r: float(r["final_val_loss"]), default=None)
+
+
+def lowest_far(rows: list[dict], fewest_x: float) -> dict | None:
+    """The lowest local-steps row of `rows` at ≥ `fewest_x`× fewer link bytes per token than DDP fp32, of those that
+    end synced (the final sync's bytes counted; rows from before it evaluated rank 0's model and counted none)."""
+    return lowest(r for r in rows if r["H"] != "0" and r["x_fewer_bytes"] and float(r["x_fewer_bytes"]) >= fewest_x
+                  and is_synced(r))
+
+
+def method_picks(rows: list[dict], fewest_x: float = 1000.0) -> dict[str, dict]:
+    """Issue 42's methods among `rows` (one size and step count of results/sizes.csv), each its lowest row over
+    lrs, seeds and settings: the per-step methods and local_defaults (and local_defaults_m0.6, the earlier
+    defaults) by name, DiLoCo / MuLoCo (diloco_*, muloco_*) and top-k (its exchange) over every H and outer
+    setting, the best local-steps row and the best of those at ≥ `fewest_x`× (lowest_far); label → row, the
+    labels with no row left out."""
+    picks = {name: lowest(r for r in rows if r["method"] == name) for name in
+             ("ddp_adamw", "ddp_muon", "signmuon_lion", "dion_1/4_lion", "local_defaults", "local_defaults_m0.6")}
+    picks["DiLoCo"] = lowest(r for r in rows if r["method"].startswith("diloco_"))
+    picks["MuLoCo"] = lowest(r for r in rows if r["method"].startswith("muloco_"))
+    picks["topk"] = lowest(r for r in rows if r["exchange"].startswith("topk"))
+    picks["best local steps"] = lowest(r for r in rows if r["H"] != "0" and r["x_fewer_bytes"])
+    picks[f"best at ≥ {fewest_x:,.0f}×"] = lowest_far(rows, fewest_x)
+    return {label: row for label, row in picks.items() if row is not None}
+
+
 def horizon_family(row: dict) -> str:
     """The local-steps rows that differ only in H, named by what they share: the optimizer inside, the outer
     exchange, the outer lr / momentum and the model evaluated (a row of results/sizes.csv → "muon, sign_vote,
     block 128, outer 0.7 / 0"; "…, rank 0's model" where it evaluated one replica's, final_model).
     local_defaults at H 30 and local_muon_H40_sign_vote_b128_olr0.7_m0 are one family when LocalSteps' defaults
     are those settings."""
-    unsynced = "" if row.get("final_model", "synced") in ("synced", "") else ", rank 0's model"
+    unsynced = "" if is_synced(row) else ", rank 0's model"
     return f"{row['inner']}, {row['exchange']}, outer {row['outer_lr']} / {row['outer_momentum']}{unsynced}"
 
 

@@ -2,7 +2,7 @@
 the columns), the README's summary tables and docs/trainers.md's byte tables. launch/results_table.py
 puts them into those documents and docs/results.md."""
 
-from integrations.results import horizon_family, rows_by_horizon
+from integrations.results import horizon_family, is_synced, lowest, lowest_far, method_picks, rows_by_horizon
 
 INF = float("inf")
 
@@ -168,51 +168,30 @@ def localsteps_summary(rows: list[dict]) -> str:
 
 def unsynced(row: dict) -> str:
     """The method cell's note for a row that evaluated one replica's model (results/sizes.csv's final_model)."""
-    return "" if row.get("final_model", "synced") in ("synced", "") else "; rank 0's model"
-
-
-def lowest(rows) -> dict | None:
-    """The row of `rows` with the lowest final val loss (None when there is none)."""
-    return min(rows, key=lambda r: float(r["final_val_loss"]), default=None)
-
-
-def lowest_far(rows: list[dict], fewest_x: float) -> dict | None:
-    """The lowest local-steps row of `rows` at ≥ `fewest_x`× fewer link bytes per token than DDP fp32, of those that
-    end synced (the final sync's bytes counted; rows from before it evaluated rank 0's model and counted none)."""
-    return lowest(r for r in rows if r["H"] != "0" and r["x_fewer_bytes"] and float(r["x_fewer_bytes"]) >= fewest_x
-                  and not unsynced(r))
+    return "" if is_synced(row) else "; rank 0's model"
 
 
 def sizes_gap_table(rows: list[dict], fewest_x: float = 1000.0) -> str:
-    """results/sizes.csv's summary: per size and steps, the per-step methods (ddp_adamw, ddp_muon, signmuon_lion,
-    dion_1/4_lion), local_defaults (and local_defaults_m0.6: the earlier defaults, outer momentum 0.6), the best
-    DiLoCo, MuLoCo (diloco_*, muloco_*) and top-k row (every H and outer setting), the best
-    LocalSteps row (lowest final val loss over every local-steps config, lr and seed) and the best of those at
-    ≥ `fewest_x` × fewer link bytes per token than DDP fp32 that end synced; each with its gap (final val loss −
+    """results/sizes.csv's summary: per size and steps, issue 42's methods (integrations.results.method_picks: the
+    per-step methods, local_defaults, the best DiLoCo, MuLoCo, top-k and local-steps row, and the best of those at
+    ≥ `fewest_x` × fewer link bytes per token than DDP fp32 that end synced); each with its gap (final val loss −
     the reference's best) to ddp_adamw and ddp_muon, and the spread over its runs (a row that evaluated rank 0's
     model says so)."""
     lines = ["| size (params) | steps (tokens/param) | row | method | final val loss (runs: spread) | x fewer link "
              "bytes | gap to ddp_adamw | gap to ddp_muon |", "|---|---:|---|---|---:|---:|---:|---:|"]
     for size, steps in dict.fromkeys((r["size"], int(r["steps"])) for r in rows):
         mine = [r for r in rows if (r["size"], int(r["steps"])) == (size, steps)]
-        picks = {name: lowest(r for r in mine if r["method"] == name) for name in
-                 ("ddp_adamw", "ddp_muon", "signmuon_lion", "dion_1/4_lion", "local_defaults", "local_defaults_m0.6")}
-        picks["DiLoCo"] = lowest(r for r in mine if r["method"].startswith("diloco_"))
-        picks["MuLoCo"] = lowest(r for r in mine if r["method"].startswith("muloco_"))
-        picks["topk"] = lowest(r for r in mine if r["exchange"].startswith("topk"))
-        picks["best local steps"] = lowest(r for r in mine if r["H"] != "0" and r["x_fewer_bytes"])
-        picks[f"best at ≥ {fewest_x:,.0f}×"] = lowest_far(mine, fewest_x)
+        picks = method_picks(mine, fewest_x)
         for label, r in picks.items():
-            if r is None:
-                continue
             losses = [float(o["final_val_loss"]) for o in mine if o["method"] == r["method"]]
             gaps = [f"{float(r['final_val_loss']) - float(ref['final_val_loss']):+.3f}" if ref else "–"
-                    for ref in (picks["ddp_adamw"], picks["ddp_muon"])]
+                    for ref in (picks.get("ddp_adamw"), picks.get("ddp_muon"))]
             x = f"{float(r['x_fewer_bytes']):,.0f}×" if r["x_fewer_bytes"] else "–"
             lines.append(f"| {size} ({int(r['params']) / 1e6:.2f} M) | {steps} ({int(r['tokens']) / int(r['params']):.2f}) "
                          f"| {label} | {r['method']} (lr {r['lr']}{unsynced(r)}) | {float(r['final_val_loss']):.3f} ({len(losses)}: "
                          f"{min(losses):.3f}–{max(losses):.3f}) | {x} | {gaps[0]} | {gaps[1]} |")
     return "\n".join(lines)
+
 
 def sizes_horizon_table(rows: list[dict]) -> str:
     """results/sizes.csv's curve against H: per size, steps, family of local-steps rows that differ only in H
@@ -243,6 +222,26 @@ def horizon_cell(H: int, runs: list[dict]) -> str:
     r = lowest(runs)
     count = f", best of {len(runs)}" if len(runs) > 1 else ""
     return f"H {H}: {float(r['final_val_loss']):.3f} ({float(r['x_fewer_bytes'] or 'nan'):,.0f}×{count}{unsynced(r)})"
+
+
+def sizes_topk_table(rows: list[dict], tolerance: float = 0.02) -> str:
+    """results/sizes.csv's top-k rows beside the dense rows that sent the same counted bytes: per top-k row, every
+    row of another exchange at the same size, steps, H, optimizer inside, outer lr / momentum, lr and seed whose
+    replicate_bytes_total is within `tolerance` of the top-k row's; the difference is top-k's loss − the dense one's."""
+    lines = ["| size | steps | H | top-k (density): final val loss | dense exchange at equal bytes: final val loss | "
+             "bytes, top-k / dense | top-k − dense |", "|---|---:|---:|---|---|---:|---:|"]
+    same = ("size", "steps", "H", "inner", "outer_lr", "outer_momentum", "lr", "seed")
+    for r in (r for r in rows if r["exchange"].startswith("topk")):
+        for dense in rows:
+            ratio = float(r["replicate_bytes_total"]) / float(dense["replicate_bytes_total"] or "nan")
+            if dense["exchange"].startswith("topk") or any(dense[k] != r[k] for k in same) \
+                    or not abs(ratio - 1) <= tolerance:
+                continue
+            loss, dense_loss = float(r["final_val_loss"]), float(dense["final_val_loss"])
+            lines.append(f"| {r['size']} | {r['steps']} | {r['H']} | {r['exchange'].removeprefix('topk, ')}: "
+                         f"{loss:.3f}{unsynced(r)} | {dense['exchange']}: {dense_loss:.3f}{unsynced(dense)} | "
+                         f"{ratio:.3f} | {loss - dense_loss:+.3f} |")
+    return "\n".join(lines)
 
 
 def sizes_summary(rows: list[dict], steps: int = 200, fewest_x: float = 1000.0) -> str:

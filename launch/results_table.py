@@ -24,7 +24,7 @@ from pathlib import Path
 import torchft_table
 from integrations.results import read_csv
 from markdown_tables import (headline_table, localsteps_summary, sizes_gap_table, sizes_horizon_table, sizes_summary,
-                             slowlink_summary, table, trainer_bytes_table, training_table)
+                             sizes_topk_table, slowlink_summary, table, trainer_bytes_table, training_table)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,7 +234,13 @@ SOURCES = {
                    "python launch/bench/sizes.py --sizes L --steps 200 --configs ddp_muon --lr-factors 0.5",
                    "python launch/bench/sizes.py --sizes S --steps 200 --configs ddp_adamw --lr-factors 0.5 --seeds 1",
                    "python launch/bench/sizes.py --sizes L --steps 200 --configs ddp_adamw --lr-factors 0.125 0.0625 0.03125",
-                   "python launch/bench/sizes.py --sizes S --steps 200 --configs diloco_m0.6_H30 diloco_m0.6_H100"
+                   "python launch/bench/sizes.py --sizes S --steps 200 --configs diloco_m0.6_H30 diloco_m0.6_H100",
+                   "python launch/bench/sizes.py --sizes M --steps 200 --configs dion_1/4_lion",
+                   "python launch/bench/sizes.py --sizes M --steps 200 --configs diloco_m0.6_H30 --lr-factors 0.5",
+                   "python launch/bench/sizes.py --sizes S M --steps 200 --configs muloco_H30 local_muon_H30_sign_mean_b128 "
+                   "local_muon_H30_topk_as_sign_mean_b128 local_muon_H30_topk_as_int4 --outer-lrs 0.7 --outer-momenta 0",
+                   "python launch/bench/sizes.py --sizes M --steps 200 --configs local_muon_H100_sign_vote_b128 "
+                   "--outer-lrs 0.7 --outer-momenta 0"
                    "   # (each resumes: rows already there are kept; the figure: results/sizes.png)"),
                   "Issue 42's campaign: the benchmark GPT at sizes S, M, L (integrations/model.SIZES), 4 replicas × "
                   "1 rank; x_fewer_bytes against ddp_adamw of the same size and steps (its best lr). Not every row "
@@ -283,7 +289,7 @@ def results_document(paths: list[Path]) -> str:
 
 README_BLOCKS = {"headline": headline_table, "demo": training_table, "slowlink": slowlink_summary,
                  "localsteps": localsteps_summary, "sizes": sizes_gap_table, "sizes_horizons": sizes_horizon_table,
-                 "sizes_summary": sizes_summary,
+                 "sizes_summary": sizes_summary, "sizes_topk": sizes_topk_table,
                  "lightning_bytes": lambda rows: trainer_bytes_table(rows, "lightning"),
                  "torchtitan_bytes": lambda rows: trainer_bytes_table(rows, "torchtitan"), "torchft": torchft_table.markdown}
 # other documents with <!-- NAME:begin (results/X.csv) --> blocks, redrawn with the README

@@ -58,6 +58,19 @@ def test_sizes_gap_table_gives_each_size_its_references_methods_best_local_row_a
     assert cells[7][0] == "M (1.00 M)" and cells[7][7] == "–"          # M has no ddp_muon row
 
 
+def test_sizes_topk_table_pairs_each_topk_row_with_the_dense_rows_of_equal_counted_bytes_and_same_settings():
+    def row(exchange, loss, sent, H="30", lr="0.02", steps="200"):
+        return {"size": "S", "steps": steps, "H": H, "inner": "muon", "outer_lr": "0.7", "outer_momentum": "0",
+                "lr": lr, "seed": "0", "exchange": exchange, "final_val_loss": loss, "replicate_bytes_total": sent}
+    rows = [row("topk, density 0.089", "5.06", "1010"), row("sign_mean, block 128", "4.91", "1000"),
+            row("int4", "4.84", "1600"),                                   # other bytes
+            row("sign_vote, block 128", "4.80", "1000", lr="0.01"),        # other lr
+            row("sign_mean, block 128", "4.70", "1000", H="40"),           # other H
+            row("sign_mean, block 128", "4.60", "1000", steps="400")]      # other steps
+    lines = markdown_tables.sizes_topk_table(rows).splitlines()[2:]
+    assert lines == ["| S | 200 | 30 | density 0.089: 5.060 | sign_mean, block 128: 4.910 | 1.010 | +0.150 |"]
+
+
 def test_a_csv_of_several_sizes_is_shown_row_for_row_not_as_one_lr_grid():
     rows = [{"size": size, "method": "ddp_adamw", "lr": lr, "seed": "0", "steps": "200", "final_val_loss": loss}
             for size, lr, loss in (("S", "0.003", "4.7"), ("M", "0.00075", "4.6"))]

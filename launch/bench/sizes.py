@@ -38,7 +38,7 @@ import campaign
 import localsteps
 import runs
 from integrations.model import SIZES, GPTConfig, parameter_count
-from integrations.results import horizon_family, rows_by_horizon
+from integrations.results import horizon_family, method_picks, rows_by_horizon
 
 FIELDS = ["size", "params", "method", "inner", "exchange", "H", "replicas", "outer_lr", "outer_momentum", "lr",
           "scalar_lr", "seed", "steps", "tokens", "final_model", "final_val_loss", "replicate_bytes_total",
@@ -102,38 +102,45 @@ def run_one(finals: campaign.Campaign, config: localsteps.Config, size: str, lr:
 
 def plot(rows: list[dict], path: Path, steps: int = 200) -> None:
     """A column per size: above, val loss against link bytes per token (/ DDP fp32's) at `steps` (the size's
-    fewest steps where it has no run of `steps`), each method at its best lr and seed a marker (squares: every
-    step), ddp_adamw's loss a dashed line; below, val loss against H at every step count of the size, a line per
-    family of local-steps rows (horizon_family, and its steps), ddp_adamw's loss at each step count a line."""
+    fewest steps where it has no run of `steps`), issue 42's methods a marker each (integrations.results.
+    method_picks, the rows of docs/benchmarks.md's gap table; squares: every step), ddp_adamw's loss a dashed
+    line; below, val loss against H at every step count of the size, a line per family of local-steps rows
+    (horizon_family, and its steps), ddp_adamw's loss at each step count a line."""
     from integrations.plot import panels, save   # matplotlib (the train extra): only to draw
     measured = [r for r in rows if r["bytes_per_token_vs_ddp_fp32"]]
     sizes = list(dict.fromkeys(r["size"] for r in measured))
     if not sizes:
         return
-    figure, axes = panels(2, len(sizes), figsize=(7 * len(sizes), 12), squeeze=False)
+    figure, axes = panels(2, len(sizes), figsize=(7 * len(sizes), 14), squeeze=False, layout="constrained")
     for column, size in enumerate(sizes):
-        best = sorted(localsteps.best_rows([r for r in measured if r["size"] == size]), key=lambda r: r["method"])
-        shown = steps if any(int(r["steps"]) == steps for r in best) else min(int(r["steps"]) for r in best)
-        title = f"{size} ({int(best[0]['params']) / 1e6:.2f} M params)"
-        draw_bytes(axes[0, column], [r for r in best if int(r["steps"]) == shown], f"{title}, {shown} steps")
-        draw_horizons(axes[1, column], best, title)
+        mine = [r for r in measured if r["size"] == size]
+        shown = steps if any(int(r["steps"]) == steps for r in mine) else min(int(r["steps"]) for r in mine)
+        title = f"{size} ({int(mine[0]['params']) / 1e6:.2f} M params)"
+        draw_bytes(axes[0, column], method_picks([r for r in mine if int(r["steps"]) == shown]),
+                   f"{title}, {shown} steps")
+        draw_horizons(axes[1, column], localsteps.best_rows(mine), title)
     save(figure, path)
 
 
-def draw_bytes(axis, best: list[dict], title: str) -> None:
-    """Val loss against link bytes per token, a marker per method, ddp_adamw a dashed line."""
+def draw_bytes(axis, picks: dict[str, dict], title: str) -> None:
+    """Val loss against link bytes per token, a marker per row of `picks` (label → row; a row picked under
+    several labels once, with all of them), ddp_adamw a dashed line."""
     from integrations.plot import colour
-    top = ceiling(best)
-    for index, row in enumerate(best):
+    top = ceiling(list(picks.values()))
+    labels: dict[int, list[str]] = {}
+    for label, row in picks.items():
+        labels.setdefault(id(row), []).append(label)
+    for index, row in enumerate({id(row): row for row in picks.values()}.values()):
+        loss, names = float(row["final_val_loss"]), ", ".join(labels[id(row)])
         if row["method"] == localsteps.BASELINE:
-            axis.axhline(float(row["final_val_loss"]), color="black", linestyle="--", label=row["method"])
+            axis.axhline(loss, color="black", linestyle="--", label=row["method"])
             continue
-        loss = float(row["final_val_loss"])
+        name = names if names == row["method"] else f"{names}: {row['method']}"
         axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), min(loss, top), color=colour(index),
                      marker="^" if loss > top else "s" if row["H"] == "0" else "o",
-                     label=row["method"] + (f" ({loss:.2f}, off the scale)" if loss > top else ""))
+                     label=name + (f" ({loss:.2f}, off the scale)" if loss > top else ""))
     axis.set(xscale="log", xlabel="link bytes per token / DDP fp32's", ylabel="final val loss", title=title)
-    axis.legend(fontsize=7, loc="upper right")
+    axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)   # below: hides no marker
 
 
 def draw_horizons(axis, best: list[dict], title: str) -> None:
