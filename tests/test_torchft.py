@@ -159,6 +159,18 @@ def test_a_straggler_sits_out_a_round_and_heals_at_the_next(tmp_path):
     assert len({r["hash"] for r in records if "hash" in r and r["step"] == 32}) == 1
 
 
+@pytest.mark.parametrize("steps, due", [(10, [0]), (8, [])])
+def test_sync_now_ends_a_run_off_the_schedule_with_one_round_and_bitwise_equal_replicas(tmp_path, steps, due):
+    """LocalSteps.sync_now over torchft (finish.py): due by the step count, one more round where the run stopped
+    between two syncs (10 steps, H 4), none at a sync step (8); a second call at the same step syncs nothing."""
+    records, _, codes = run_groups(tmp_path, 3, common=["--steps", str(steps), "--sync-every", "4", "--sync-now"])
+    assert all(c == [0] for c in codes.values()), codes
+    final = [r for r in records if r.get("final")]
+    assert len(final) == 3 and all(r["due"] == due and r["again"] == [] for r in final), final
+    assert len({r["hash"] for r in final}) == 1 and all(r["committed"] for r in final)
+    assert all(r["rounds"] == len(due) for r in final)   # sync_now's rounds: one where due, none at a sync step
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 def test_a_manager_that_is_not_a_torchft_manager_is_refused():
     from shardopt.torchft.checks import check_manager
@@ -264,18 +276,29 @@ def test_the_torchft_privates_are_where_the_catalogue_says():
 
 
 # ---- integrations/fsdp/train.py --fault-tolerant, per-step ---------------------------------------
-def _train_group(index, lighthouse, tmp_path, steps):
-    """One replica group of train.py (one rank), per-step Sign-Muon + Lion on a byte corpus in tmp_path."""
+PER_STEP = ("--optimizer", "signmuon", "--nonmatrix-algorithm", "lion")
+
+
+def _train_group(index, lighthouse, tmp_path, steps, method=PER_STEP, groups=3):
+    """One replica group of train.py (one rank), `method`'s options (per-step Sign-Muon + Lion) on the byte corpus
+    of _byte_corpus in tmp_path."""
     out = tmp_path / f"group{index}"
     out.mkdir(exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": "0", "LOCAL_RANK": "0",
            "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}
     command = [sys.executable, str(ROOT / "integrations" / "fsdp" / "train.py"), "--fault-tolerant", "--replica-id",
-               str(index), "--lighthouse", lighthouse, "--min-replicas", "2", "--replica-groups", "3",
-               "--optimizer", "signmuon", "--nonmatrix-algorithm", "lion", "--data-dir", str(tmp_path),
+               str(index), "--lighthouse", lighthouse, "--min-replicas", "2", "--replica-groups", str(groups),
+               *method, "--data-dir", str(tmp_path),
                "--steps", str(steps), "--warmup", "10", "--log-every", "1", "--eval-every", str(steps),
                "--eval-batches", "1", "--timeout", "5", "--quorum-timeout", "60", "--out-dir", str(out)]
     return _spawn(command, out / "log.txt", env=env, cwd=ROOT)
+
+
+def _byte_corpus(tmp_path):
+    text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(2000))
+    (tmp_path / "train.bin").write_bytes(text)
+    (tmp_path / "val.bin").write_bytes(text[:20000])
+    (tmp_path / "meta.json").write_text('{"vocab_size": 256, "dtype": "uint8"}')
 
 
 def _lrs(path):
@@ -290,10 +313,7 @@ def test_train_py_per_step_kill_restart_heals_and_finishes_the_same_steps(tmp_pa
     restarted; the steps whose round broke run again (the lr schedule not advanced), the restarted group heals and
     every group ends at --steps with the same lr at every step it logged."""
     from torchft.coordination import LighthouseServer
-    text = b"".join(b"%d: To be, or not to be, that is the question.\n" % i for i in range(2000))
-    (tmp_path / "train.bin").write_bytes(text)
-    (tmp_path / "val.bin").write_bytes(text[:20000])
-    (tmp_path / "meta.json").write_text('{"vocab_size": 256, "dtype": "uint8"}')
+    _byte_corpus(tmp_path)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000)
     steps, start = 120, time.monotonic()
     procs = {i: _train_group(i, lighthouse.address(), tmp_path, steps) for i in range(3)}
@@ -318,3 +338,25 @@ def test_train_py_per_step_kill_restart_heals_and_finishes_the_same_steps(tmp_pa
     lrs = {i: _lrs(tmp_path / f"group{i}" / "metrics.csv") for i in procs}
     assert max(lrs[0]) == steps and lrs[0] == lrs[2]
     assert all(lrs[1][step] == lrs[0][step] for step in lrs[1]), (lrs[0], lrs[1])   # one schedule
+
+
+@pytest.mark.slow   # ~1 min: two train.py groups of local steps
+def test_train_py_local_steps_stopping_off_the_schedule_end_with_one_more_committed_round(tmp_path):
+    """train.py --fault-tolerant --local-steps 4 --steps 10 stops two steps after its last sync and ends with
+    LocalSteps.sync_now's round (finish.py), committed on both groups, before the final evaluation."""
+    from torchft.coordination import LighthouseServer
+    _byte_corpus(tmp_path)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000)
+    method = ("--optimizer", "muon", "--local-steps", "4", "--outer-exchange", "sign_mean")
+    procs = {i: _train_group(i, lighthouse.address(), tmp_path, 10, method, groups=2) for i in range(2)}
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=TRAIN_WALL_S)
+    finally:
+        _stop(procs.values())
+        lighthouse.shutdown()
+    logs = {i: (tmp_path / f"group{i}" / "log.txt").read_text(errors="replace")[-3000:] for i in procs}
+    assert all(proc.returncode == 0 for proc in procs.values()), logs
+    rounds = {i: json.loads((tmp_path / f"group{i}" / "summary.json").read_text())["torchft"]["rounds"] for i in procs}
+    syncs = {i: [r for r in group if not r["join"]] for i, group in rounds.items()}
+    assert all(len(s) == 3 and all(r["committed"] and r["replicas"] == 2 for r in s) for s in syncs.values()), rounds

@@ -39,6 +39,7 @@ def parse():
     p.add_argument("--groups", type=int, default=None, help="replica groups a fresh start waits for")
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (a restart must meet a sync)")
+    p.add_argument("--sync-now", action="store_true", help="LocalSteps.sync_now after the last step, twice")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -128,6 +129,12 @@ def main():
                                   "bytes": entry["bytes_sent"], "hash": param_hash(model),
                                   "loss": float(loss.detach())}) + "\n")
             out.flush()
+    if args.sync_now:   # the end of a run off the schedule: one more round; a second call finds nothing due
+        before = len(axis.rounds)
+        due, again = opt.sync_now(), opt.sync_now()
+        out.write(json.dumps({"replica": args.replica_id, "rank": dist.get_rank(), "final": True, "due": due,
+                              "again": again, "hash": param_hash(model), "rounds": len(axis.rounds) - before,
+                              "committed": axis.rounds[-1]["committed"]}) + "\n")
     summary = shardopt.torchft.summary(opt)
     out.write(json.dumps({"replica": args.replica_id, "rank": dist.get_rank(), "done": True, **{
         k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()}) for k, v in summary.items()}}) + "\n")

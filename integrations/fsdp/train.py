@@ -28,7 +28,7 @@ step), loss.png (if matplotlib is installed: pip install -e '.[train]'), summary
 checkpoints/step_NNNNNN/ (on several nodes, put --out-dir where every node sees it),
 tensorboard/ with --tensorboard. With --local-steps H a last step off a sync step ends the last round
 with a sync (LocalSteps.sync_now: at most one round's bytes), so the final evaluation, checkpoint and
-every replica hold the same model (not with --fault-tolerant: a torchft round needs a quorum).
+every replica hold the same model (with --fault-tolerant too: one more torchft round).
 
 Everyday options: --bf16 (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 weights, gradients and
 optimizer state), --grad-accum N (N micro-batches per step; FSDP2 reduce-scatters on the last one
@@ -296,7 +296,7 @@ for step in progress:
         opt.step()    # clips (--clip), exchanges over the replicate axis, updates
     scheduler.step()
     opt.zero_grad(set_to_none=True)
-    if args.local_steps and step == end_step and not args.fault_tolerant:
+    if args.local_steps and step == end_step:
         opt.sync_now()   # the last round ends here, synced: the final evaluation and checkpoint see one model
     if device.type == "cuda":
         torch.cuda.synchronize()

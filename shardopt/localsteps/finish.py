@@ -1,4 +1,4 @@
-"""The end of a run of local steps (docs/design.md §10, docs/trainers.md).
+"""The end of a run of local steps (docs/design.md §10, §13, docs/trainers.md).
 
 Training that stops between two syncs (max_steps not a multiple of sync_every, fragments, overlap) leaves
 each replica with its own inner progress since its last sync. `sync_pending` syncs now, off the schedule,
@@ -8,6 +8,13 @@ ends with θ = θ_outer, bitwise equal, and the final model is the one the outer
 round's (`sync_bytes`), plus one all-reduce of F fp32 flags that agrees which fragments are due (4·F bytes,
 counted on the replicate axis like every exchange). A second call at the same step finds nothing due and
 sends only the flags. `replicas_consistent` checks the result.
+
+Over a torchft manager (one fragment, no overlap: torchft/checks.py) a collective needs a round's quorum, and
+a flag all-reduce in a round of its own could fail on one replica only and leave the replicas disagreeing on
+whether the sync round follows. There the fragment is due by the step count alone, which every replica holds
+alike (healing copies it): the run stopped off the schedule (steps mod H ≠ the fragment's offset) and no sync
+ran at this step yet. The sync is one round like a scheduled one: a replica healing in it contributes zeros,
+and a discarded round still ends with θ ← θ_outer, the last committed outer params, on every replica.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import torch
 
 from ..layout.placement import local
 from ..optim.guard import replicas_equal
-from .fragment import PENDING_APPLY, Fragment
+from .fragment import PENDING_APPLY, Fragment, sync_offset
 
 
 def holds_progress(fragment: Fragment) -> bool:
@@ -33,22 +40,36 @@ def holds_progress(fragment: Fragment) -> bool:
 
 @torch.no_grad()
 def sync_pending(local_steps) -> list[int]:
-    """Sync now every fragment of `local_steps` (a LocalSteps) that holds progress on some replica (the flags
-    agreed, max, over the replicate axis and the axes a round's discard is agreed over); returns their
-    indices. Every replica and every rank of its inner axes must call it at the same step."""
-    if local_steps.replicate.needs_round:
-        raise NotImplementedError("LocalSteps.sync_now on a torchft replicate axis: the flags and the exchange "
-                                  "need a quorum round; end the run at a sync step (steps a multiple of sync_every)")
+    """Sync now every fragment of `local_steps` (a LocalSteps) that holds progress on some replica (module
+    docstring: the flags agreed, max, over the replicate axis and the axes a round's discard is agreed over;
+    over torchft, the step count); returns their indices. Every replica and every rank of its inner axes must
+    call it at the same step."""
     local_steps._init_state()
+    fragments = local_steps._fragments
+    due = off_schedule(local_steps) if local_steps.replicate.needs_round else agreed_progress(local_steps)
+    for index in due:
+        local_steps._sync(fragments[index], settle=True)
+        fragments[index].settled_at = local_steps.steps
+    return due
+
+
+def agreed_progress(local_steps) -> list[int]:
+    """The fragments that hold progress on some replica (holds_progress, max over the axes)."""
     fragments = local_steps._fragments
     device = local(local_steps.params()[0]).device
     flags = torch.tensor([float(holds_progress(fragment)) for fragment in fragments], device=device)
     for axis in (local_steps.replicate, *local_steps.checks.agreement_axes):
         flags = axis.all_reduce(flags, "max")
-    due = [fragment.index for fragment, flag in zip(fragments, flags.tolist()) if flag]
-    for index in due:
-        local_steps._sync(fragments[index], settle=True)
-    return due
+    return [fragment.index for fragment, flag in zip(fragments, flags.tolist()) if flag]
+
+
+def off_schedule(local_steps) -> list[int]:
+    """The fragments whose last sync is not at this step, by the step count (the same on every replica): at
+    least one step taken, this step not one of the fragment's scheduled syncs, no sync_now at it yet."""
+    steps, every, count = local_steps.steps, local_steps.sync_every, local_steps.fragments
+    return [fragment.index for fragment in local_steps._fragments
+            if steps > 0 and steps % every != sync_offset(fragment.index, count, every)
+            and fragment.settled_at != steps]
 
 
 @torch.no_grad()

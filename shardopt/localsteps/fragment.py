@@ -115,6 +115,7 @@ class Fragment:
         self.index, self.params, self.states, self.format, self.settings = index, params, states, fmt, settings
         self.flight: Flight | None = None
         self.kept: tuple | None = None   # without overlap: (Δ̄, e, discard) of the exchange just finished
+        self.settled_at = -1             # the step of its last off-schedule sync (finish.py), -1 before one
 
     def sync(self, step: int) -> None:
         """This fragment's sync at `step` (module docstring)."""
