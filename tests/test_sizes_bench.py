@@ -45,3 +45,8 @@ def test_a_panel_tops_out_above_ddp_adamw_so_a_diverged_run_does_not_squash_the_
     rows = [{"method": "ddp_adamw", "final_val_loss": "4.7"}, {"method": "ddp_adamw", "final_val_loss": "4.6"},
             {"method": "diloco_m0.6_H100", "final_val_loss": "13.2"}]
     assert sizes.ceiling(rows) == 4.7 + 1.5 and sizes.ceiling(rows[2:]) == float("inf")
+
+
+def test_a_label_keeps_its_colour_in_every_panel_whichever_labels_the_others_lack():
+    palette = sizes.label_palette([["ddp_adamw", "topk", "MuLoCo"], ["ddp_adamw", "MuLoCo", "DiLoCo"]])
+    assert palette == {"ddp_adamw": 0, "topk": 1, "MuLoCo": 2, "DiLoCo": 3}

@@ -112,31 +112,46 @@ def plot(rows: list[dict], path: Path, steps: int = 200) -> None:
     if not sizes:
         return
     figure, axes = panels(2, len(sizes), figsize=(7 * len(sizes), 14), squeeze=False, layout="constrained")
-    for column, size in enumerate(sizes):
+    picks = {}
+    for size in sizes:
         mine = [r for r in measured if r["size"] == size]
         shown = steps if any(int(r["steps"]) == steps for r in mine) else min(int(r["steps"]) for r in mine)
+        picks[size] = shown, method_picks([r for r in mine if int(r["steps"]) == shown])
+    palette = label_palette([labels for _, labels in picks.values()])
+    for column, size in enumerate(sizes):
+        mine = [r for r in measured if r["size"] == size]
         title = f"{size} ({int(mine[0]['params']) / 1e6:.2f} M params)"
-        draw_bytes(axes[0, column], method_picks([r for r in mine if int(r["steps"]) == shown]),
-                   f"{title}, {shown} steps")
+        draw_bytes(axes[0, column], picks[size][1], palette, f"{title}, {picks[size][0]} steps")
         draw_horizons(axes[1, column], localsteps.best_rows(mine), title)
     save(figure, path)
 
 
-def draw_bytes(axis, picks: dict[str, dict], title: str) -> None:
+def label_palette(panels_labels: list) -> dict[str, int]:
+    """A colour index per label, in order of first appearance over the panels: a label has one colour in every
+    panel, whichever labels the others lack."""
+    palette: dict[str, int] = {}
+    for labels in panels_labels:
+        for label in labels:
+            palette.setdefault(label, len(palette))
+    return palette
+
+
+def draw_bytes(axis, picks: dict[str, dict], palette: dict[str, int], title: str) -> None:
     """Val loss against link bytes per token, a marker per row of `picks` (label → row; a row picked under
-    several labels once, with all of them), ddp_adamw a dashed line."""
+    several labels once, with all of them, in its first label's colour: `palette`), ddp_adamw a dashed line."""
     from integrations.plot import colour
     top = ceiling(list(picks.values()))
     labels: dict[int, list[str]] = {}
     for label, row in picks.items():
         labels.setdefault(id(row), []).append(label)
-    for index, row in enumerate({id(row): row for row in picks.values()}.values()):
+    for row in {id(row): row for row in picks.values()}.values():
         loss, names = float(row["final_val_loss"]), ", ".join(labels[id(row)])
         if row["method"] == localsteps.BASELINE:
             axis.axhline(loss, color="black", linestyle="--", label=row["method"])
             continue
         name = names if names == row["method"] else f"{names}: {row['method']}"
-        axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), min(loss, top), color=colour(index),
+        axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), min(loss, top),
+                     color=colour(2 * palette[labels[id(row)][0]]),   # tab20's strong shades
                      marker="^" if loss > top else "s" if row["H"] == "0" else "o",
                      label=name + (f" ({loss:.2f}, off the scale)" if loss > top else ""))
     axis.set(xscale="log", xlabel="link bytes per token / DDP fp32's", ylabel="final val loss", title=title)
