@@ -171,6 +171,19 @@ def test_sync_now_ends_a_run_off_the_schedule_with_one_round_and_bitwise_equal_r
     assert all(r["rounds"] == len(due) for r in final)   # sync_now's rounds: one where due, none at a sync step
 
 
+def test_a_group_restarted_into_the_others_sync_now_settles_with_them_and_ends_with_their_model(tmp_path):
+    """min_replicas 3: the survivors' sync_now round (after 10 steps, H 4) waits for group 1, killed after 9 steps
+    and restarted; it heals in that round, settles as they do (join.py), and its own sync_now finds nothing due."""
+    common = ["--steps", "10", "--sync-every", "4", "--sync-now"]
+    records, restarts, codes = run_groups(tmp_path, 3, common=common, min_replicas=3,
+                                          per_group={1: ["--kill-at-step", "9"]}, restart=1)
+    assert restarts == 1 and all(c == [0] for c in codes.values()), codes
+    final = {r["replica"]: r for r in records if r.get("final")}
+    assert [final[i]["due"] for i in range(3)] == [[0], [], [0]] and all(r["again"] == [] for r in final.values())
+    assert len({r["hash"] for r in final.values()}) == 1, final
+    assert done(records, 1)[0]["heals"] == 1
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 def test_a_manager_that_is_not_a_torchft_manager_is_refused():
     from shardopt.torchft.checks import check_manager

@@ -4,7 +4,9 @@ LocalSteps syncs every H steps, so a replica that starts (or restarts) must meet
 next sync, not H steps later: `join` opens a round (the quorum waits for the others' sync). If every
 replica of the quorum is joining, this is a fresh start: nothing is exchanged and the round commits. Else
 the joiner heals in the quorum (heal.py) and takes part in the sync with x = 0 (it abstains), then
-applies the same outer step as everyone: after the round its θ is bitwise the others'. A per-step
+applies the same outer step as everyone: after the round its θ is bitwise the others'. Where the healed step
+count is off the schedule the others are ending their run (LocalSteps.sync_now, localsteps/finish.py): the
+joiner settles as they do (the outer step without its momentum) and its own sync_now finds nothing due. A per-step
 optimizer's join is its first round too: a fresh start commits an empty round, a joiner heals and
 takes part in the others' step with zero gradients, a step that is then skipped everywhere (steps.py)."""
 
@@ -14,6 +16,7 @@ import time
 
 import torch
 
+from ..localsteps.finish import off_schedule
 from .axis import ManagerAxis
 from .checks import check_local_steps
 
@@ -47,8 +50,13 @@ def join(optimizer, replica_groups: int | None = None, timeout_s: float = 600.0)
 def _take_part(optimizer, axis) -> None:
     """The others' round, with nothing of this replica's in it: LocalSteps' sync with x = 0; a per-step
     optimizer's step on zero gradients, which steps.py discards everywhere (a joiner is in it)."""
-    if axis.keeper is None:
-        optimizer._fragments[0].sync(optimizer.steps)   # the round's exchange, abstaining; ends the round
+    if axis.keeper is None:   # the round's exchange, abstaining; ends the round
+        fragment = optimizer._fragments[0]
+        if off_schedule(optimizer):   # the others' sync_now (module docstring)
+            fragment.settle(optimizer.steps)
+            fragment.settled_at = optimizer.steps
+        else:
+            fragment.sync(optimizer.steps)
         return
     for group in optimizer.param_groups:
         for param in group["params"]:
