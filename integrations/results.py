@@ -53,6 +53,11 @@ def lowest_far(rows: list[dict], fewest_x: float) -> dict | None:
                   and is_synced(r))
 
 
+def far_label(fewest_x: float) -> str:
+    """method_picks' label of the best local-steps row at ≥ `fewest_x`× fewer link bytes."""
+    return f"best at ≥ {fewest_x:,.0f}×"
+
+
 def method_picks(rows: list[dict], fewest_x: float = 1000.0) -> dict[str, dict]:
     """Issue 42's methods among `rows` (one size and step count of results/sizes.csv), each its lowest row over
     lrs, seeds and settings: the per-step methods and local_defaults (and local_defaults_m0.6, the earlier
@@ -65,7 +70,7 @@ def method_picks(rows: list[dict], fewest_x: float = 1000.0) -> dict[str, dict]:
     picks["MuLoCo"] = lowest(r for r in rows if r["method"].startswith("muloco_"))
     picks["topk"] = lowest(r for r in rows if r["exchange"].startswith("topk"))
     picks["best local steps"] = lowest(r for r in rows if r["H"] != "0" and r["x_fewer_bytes"])
-    picks[f"best at ≥ {fewest_x:,.0f}×"] = lowest_far(rows, fewest_x)
+    picks[far_label(fewest_x)] = lowest_far(rows, fewest_x)
     return {label: row for label, row in picks.items() if row is not None}
 
 

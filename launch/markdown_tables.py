@@ -2,7 +2,7 @@
 the columns), the README's summary tables and docs/trainers.md's byte tables. launch/results_table.py
 puts them into those documents and docs/results.md."""
 
-from integrations.results import horizon_family, is_synced, lowest, lowest_far, method_picks, rows_by_horizon
+from integrations.results import far_label, horizon_family, is_synced, lowest, method_picks, rows_by_horizon
 
 INF = float("inf")
 
@@ -247,14 +247,14 @@ def sizes_topk_table(rows: list[dict], tolerance: float = 0.02) -> str:
 def sizes_summary(rows: list[dict], steps: int = 200, fewest_x: float = 1000.0) -> str:
     """The README's table of results/sizes.csv: per size at `steps`, the best final val loss (over lrs and seeds)
     of ddp_adamw, ddp_muon, signmuon_lion and local_defaults, and the best local-steps row at ≥ `fewest_x`× fewer
-    link bytes per token than DDP fp32 (`lowest_far`) with its gap to ddp_adamw."""
+    link bytes per token than DDP fp32 with its gap to ddp_adamw: the gap table's picks (results.method_picks)."""
     lines = [f"| size (params, tokens/param) | ddp_adamw | ddp_muon | signmuon_lion (32×) | local_defaults | best local "
              f"steps at ≥ {fewest_x:,.0f}× | its gap to ddp_adamw |", "|---|---:|---:|---:|---:|---|---:|"]
     for size in dict.fromkeys(r["size"] for r in rows if int(r["steps"]) == steps):
         mine = [r for r in rows if r["size"] == size and int(r["steps"]) == steps]
-        best = {name: lowest(r for r in mine if r["method"] == name)
-                for name in ("ddp_adamw", "ddp_muon", "signmuon_lion", "local_defaults")}
-        pick = lowest_far(mine, fewest_x)
+        picks = method_picks(mine, fewest_x)   # the gap table's rows
+        best = {name: picks.get(name) for name in ("ddp_adamw", "ddp_muon", "signmuon_lion", "local_defaults")}
+        pick = picks.get(far_label(fewest_x))
         cells = ["–" if r is None else f"{float(r['final_val_loss']):.3f}" for r in best.values()]
         if best["local_defaults"] is not None:
             cells[3] += f" ({float(best['local_defaults']['x_fewer_bytes']):,.0f}×)"

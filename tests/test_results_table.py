@@ -102,7 +102,8 @@ def test_sizes_horizon_table_lines_up_each_family_by_h_at_one_lr_beside_the_refe
 def test_sizes_summary_gives_each_size_its_bests_and_the_best_synced_row_at_1000x_with_its_gap():
     def row(size, method, H, loss, fewer, final_model="synced", steps="200"):
         return {"size": size, "params": "2000000", "method": method, "H": H, "lr": "0.02", "steps": steps,
-                "tokens": "1000000", "final_val_loss": loss, "x_fewer_bytes": fewer, "final_model": final_model}
+                "tokens": "1000000", "final_val_loss": loss, "x_fewer_bytes": fewer, "final_model": final_model,
+                "exchange": "sign_vote, block 128"}
     rows = [row("S", "ddp_adamw", "0", "4.70", "1.0"), row("S", "ddp_adamw", "0", "4.69", "1.0"),
             row("S", "ddp_muon", "0", "4.55", "1.0"), row("S", "local_defaults", "30", "4.98", "731.4"),
             row("S", "local_a_H40", "40", "5.08", "1024.0"), row("S", "local_b_H30", "30", "4.90", "1058.3", "rank 0's"),

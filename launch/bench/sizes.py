@@ -112,16 +112,15 @@ def plot(rows: list[dict], path: Path, steps: int = 200) -> None:
     if not sizes:
         return
     figure, axes = panels(2, len(sizes), figsize=(7 * len(sizes), 14), squeeze=False, layout="constrained")
-    picks = {}
+    columns = []   # per size: its rows, the steps of its bytes panel, that panel's picks
     for size in sizes:
         mine = [r for r in measured if r["size"] == size]
         shown = steps if any(int(r["steps"]) == steps for r in mine) else min(int(r["steps"]) for r in mine)
-        picks[size] = shown, method_picks([r for r in mine if int(r["steps"]) == shown])
-    palette = label_palette([labels for _, labels in picks.values()])
-    for column, size in enumerate(sizes):
-        mine = [r for r in measured if r["size"] == size]
+        columns.append((mine, shown, method_picks([r for r in mine if int(r["steps"]) == shown])))
+    palette = label_palette([picks for _, _, picks in columns])
+    for column, (size, (mine, shown, picks)) in enumerate(zip(sizes, columns)):
         title = f"{size} ({int(mine[0]['params']) / 1e6:.2f} M params)"
-        draw_bytes(axes[0, column], picks[size][1], palette, f"{title}, {picks[size][0]} steps")
+        draw_bytes(axes[0, column], picks, palette, f"{title}, {shown} steps")
         draw_horizons(axes[1, column], localsteps.best_rows(mine), title)
     save(figure, path)
 
@@ -141,17 +140,17 @@ def draw_bytes(axis, picks: dict[str, dict], palette: dict[str, int], title: str
     several labels once, with all of them, in its first label's colour: `palette`), ddp_adamw a dashed line."""
     from integrations.plot import colour
     top = ceiling(list(picks.values()))
-    labels: dict[int, list[str]] = {}
+    shown: dict[int, tuple[dict, list[str]]] = {}   # each row once, with every label it was picked under
     for label, row in picks.items():
-        labels.setdefault(id(row), []).append(label)
-    for row in {id(row): row for row in picks.values()}.values():
-        loss, names = float(row["final_val_loss"]), ", ".join(labels[id(row)])
+        shown.setdefault(id(row), (row, []))[1].append(label)
+    for row, labels in shown.values():
+        loss, names = float(row["final_val_loss"]), ", ".join(labels)
         if row["method"] == localsteps.BASELINE:
             axis.axhline(loss, color="black", linestyle="--", label=row["method"])
             continue
         name = names if names == row["method"] else f"{names}: {row['method']}"
         axis.scatter(float(row["bytes_per_token_vs_ddp_fp32"]), min(loss, top),
-                     color=colour(2 * palette[labels[id(row)][0]]),   # tab20's strong shades
+                     color=colour(2 * palette[labels[0]]),   # tab20's strong shades
                      marker="^" if loss > top else "s" if row["H"] == "0" else "o",
                      label=name + (f" ({loss:.2f}, off the scale)" if loss > top else ""))
     axis.set(xscale="log", xlabel="link bytes per token / DDP fp32's", ylabel="final val loss", title=title)

@@ -49,7 +49,6 @@ def sync_pending(local_steps) -> list[int]:
     due = off_schedule(local_steps) if local_steps.replicate.needs_round else agreed_progress(local_steps)
     for index in due:
         local_steps._sync(fragments[index], settle=True)
-        fragments[index].settled_at = local_steps.steps
     return due
 
 

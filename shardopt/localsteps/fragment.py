@@ -115,7 +115,7 @@ class Fragment:
         self.index, self.params, self.states, self.format, self.settings = index, params, states, fmt, settings
         self.flight: Flight | None = None
         self.kept: tuple | None = None   # without overlap: (Δ̄, e, discard) of the exchange just finished
-        self.settled_at = -1             # the step of its last off-schedule sync (finish.py), -1 before one
+        self.settled_at = -1             # the step of its last settle (finish.py), -1 before one
 
     def sync(self, step: int) -> None:
         """This fragment's sync at `step` (module docstring)."""
@@ -149,6 +149,7 @@ class Fragment:
         if self.settings.overlap:
             for param in self.params:
                 self.states[param].pending.fill_(PENDING_NONE)
+        self.settled_at = step
 
     def start(self, step: int) -> None:
         """x = (θ_start − θ) + e over the params; the double-averaging check; the exchange of x begins."""

@@ -54,7 +54,6 @@ def _take_part(optimizer, axis) -> None:
         fragment = optimizer._fragments[0]
         if off_schedule(optimizer):   # the others' sync_now (module docstring)
             fragment.settle(optimizer.steps)
-            fragment.settled_at = optimizer.steps
         else:
             fragment.sync(optimizer.steps)
         return
