@@ -167,10 +167,13 @@ def outer_bytes(exchange: str, n: int, replicas: int, block: int, matrices=(), r
     scale and one fp32 non-finite flag; alltoall_1bit for sign_vote; sign_mean all-gathers. "lowrank": `matrices`, whole
     (m, n) matrices whose P (a×r) and R (b×r) means cross in bf16, r = ⌈rank_fraction·min(m, n)⌉, and
     the n other entries by sign_vote. "topk": per block the max(1, round(density·block)) largest, each
-    2 value bits and ⌈log2 block⌉ offset bits in one packed stream, one fp32 scale per block, all-gathered."""
+    2 value bits and ⌈log2 block⌉ offset bits in one packed stream, one fp32 scale per block, all-gathered.
+    "auto": sign_mean's at M ≤ 2, sign_vote's from 3."""
     M = replicas
     if M == 1:
         return 0
+    if exchange == "auto":                                                  # the 1-bit format of this M
+        return outer_bytes("sign_mean" if M <= 2 else "sign_vote", n, M, block)
     if exchange == "lowrank":
         factors = 0
         for rows, cols in matrices:

@@ -176,7 +176,7 @@ def test_localsteps_configs_cover_every_inner_exchange_and_period_once():
     assert len(names) == len(set(names))
     local = {(c.inner, c.H, c.exchange) for c in configs if c.H}
     for H in (10, 30, 100):
-        assert {(i, H, e) for i in ("signmuon", "dion", "muon") for e in localsteps.EXCHANGES} <= local
+        assert {(i, H, e) for i in ("signmuon", "dion", "muon") for e in localsteps.FORMATS} <= local
         assert ("adamw", H, "mean") in local
     muloco = next(c for c in configs if c.method.name == "muloco_H30")
     assert ("--local-steps", "30") == muloco.method.args[2:4] and "int4" in muloco.method.args
@@ -406,6 +406,8 @@ def test_local_defaults_passes_localsteps_signature_defaults_but_sync_every():
                     "--outer-lr": f"{default['outer_lr']:g}", "--outer-momentum": f"{default['outer_momentum']:g}",
                     "--outer-block": str(default["block"] or outer_format(default["exchange"]).block)}
     assert (config.H, config.outer_lr, config.outer_momentum) == (30, default["outer_lr"], default["outer_momentum"])
+    four = next(c for c in localsteps.configs(128, replicas=4) if c.method.name == "local_defaults")
+    assert (config.exchange, four.exchange) == ("sign_mean, block 128", "sign_vote, block 128")   # what "auto" runs
 
 
 def test_topk_at_sign_mean_b128s_density_sends_its_bytes_within_a_percent():

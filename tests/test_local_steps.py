@@ -84,6 +84,22 @@ def _every_format():
     return {exchange: _bytes_per_step(exchange) for exchange in EXCHANGES}
 
 
+def _auto_and_the_one_bit_formats(steps=6):
+    """The params' hash after `steps` steps (sync every 3) with "auto" and with each 1-bit format, on every replica
+    of this pool; the "auto" optimizer's describe()."""
+    hashes = {}
+    for exchange in ("auto", "sign_mean", "sign_vote"):
+        params = _params()
+        opt = _local_steps("sgd", params, exchange=exchange, sync_every=3)
+        for step in range(1, steps + 1):
+            _set_gradients(params, step, _rank())
+            opt.step()
+        hashes[exchange] = _hash(params)
+        if exchange == "auto":
+            hashes["describe"] = opt.describe()
+    return hashes
+
+
 def _mean_one_step_rounds(steps):
     params = _params()
     opt = _local_steps("sgd", params, sync_every=1, exchange="mean", outer_lr=1.0, outer_momentum=0.0)
@@ -256,6 +272,14 @@ def test_every_format_counts_its_formula_sends_nothing_between_syncs_and_keeps_r
             assert result["sent"] == [CHECK_BYTES, 0, expected, 0, 0, expected], (exchange, result["sent"])
             assert result["consistent"][2] and result["consistent"][5], exchange
         assert not all(results[0][exchange]["consistent"]), f"{exchange}: replicas drift between syncs"
+
+
+@pytest.mark.parametrize("pool, replicas, runs_as, other", [("pool2", 2, "sign_mean", "sign_vote"),
+                                                            ("pool4", 4, "sign_vote", "sign_mean")])
+def test_auto_runs_sign_mean_at_two_replicas_and_sign_vote_from_three(request, pool, replicas, runs_as, other):
+    for result in request.getfixturevalue(pool).run(_auto_and_the_one_bit_formats):
+        assert result["auto"] == result[runs_as] != result[other], result
+        assert f"exchange 'auto' ('{runs_as}' at {replicas} replicas)" in result["describe"], result["describe"]
 
 
 def test_mean_every_step_with_outer_lr_one_is_data_parallel_sgd(pool2):

@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.filterwarnings("error::ResourceWarning"),
 
 ROOT = Path(__file__).resolve().parents[1]
 WALL_S = 150
+MODEL_NUMEL = 16 * 32 + 32 + 32 * 8 + 8   # torchft_replica.model_and_params (block 64 in its LocalSteps)
 TRAIN_WALL_S = 300   # train.py: 3 groups of the example GPT, 120 steps, a restart (110 s on 2 busy cores)
 
 
@@ -116,7 +117,8 @@ def test_local_steps_kill_mid_round_restart_heals_and_rejoins(tmp_path):
     assert any(r["contributors"] < 3 for r in rounds) and rounds[-1]["M"] == 3   # 3 → fewer (dead or healing) → 3
 
 
-@pytest.mark.parametrize("exchange", ["sign_vote", pytest.param("mean", marks=pytest.mark.slow),
+@pytest.mark.parametrize("exchange", ["auto", pytest.param("sign_vote", marks=pytest.mark.slow),
+                                      pytest.param("mean", marks=pytest.mark.slow),
                                       pytest.param("int8", marks=pytest.mark.slow),
                                       pytest.param("lowrank", marks=pytest.mark.slow)])
 def test_kill_inside_exchange_and_injected_error_roll_back_everywhere(tmp_path, exchange):
@@ -133,6 +135,13 @@ def test_kill_inside_exchange_and_injected_error_roll_back_everywhere(tmp_path, 
     discarded = sorted(step for step, v in by_step.items() if v == {False})
     assert len(discarded) >= 2, by_step   # the round the kill broke, and the round with the injected error
     assert by_step[max(by_step)] == {True}
+    if exchange == "auto":   # the format follows the round's M: sign_vote's bytes at 3 groups, sign_mean's at 2
+        import reference
+        from shardopt.wire.comm import collective_bytes
+        for M, runs_as in ((3, "sign_vote"), (2, "sign_mean")):
+            begin_end = collective_bytes("all_reduce", 8, M) + collective_bytes("all_reduce", 4, M)   # §13's round
+            sent = {r["bytes"] for r in records if r.get("M") == M and r["contributors"] == M}
+            assert min(sent) == reference.outer_bytes(runs_as, MODEL_NUMEL, M, 64) + begin_end, (M, sent)
 
 
 def test_fsdp_groups_of_two_ranks_kill_and_heal(tmp_path):

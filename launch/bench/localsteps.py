@@ -57,12 +57,14 @@ from pathlib import Path
 import campaign
 import runs
 import shardopt
-from shardopt.localsteps.formats import DEFAULT_BLOCK, EXCHANGES, outer_format
+from shardopt.localsteps.formats import DEFAULT_BLOCK, EXCHANGES, by_replicas, outer_format
 
 FIELDS = ["method", "inner", "H", "replicas", "exchange", "outer_lr", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
           "final_val_loss", "replicate_bytes_total", "link_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",
           "time_to_target_10mbit_s", "time_to_target_1mbit_s"]
 KEY = ("method", "lr", "scalar_lr", "seed", "steps")
+FORMATS = tuple(exchange for exchange in EXCHANGES if exchange != "auto")   # ("auto" is one of them at each M:
+                                                                            # local_defaults runs it)
 CURVE_FIELDS = ["method", "lr", "scalar_lr", "seed", "steps", "step", "val_loss", "replicate_bytes", "compute_s"]
 LINKS_MBIT = (10, 1)
 RANKS = 4             # every run: 4 processes, replicas (nodes) × RANKS / replicas shard ranks per node
@@ -121,13 +123,16 @@ def int4_bits_as_gathered(replicas: int, block: int = DEFAULT_BLOCK) -> float:
     return 2 / replicas * (4 + 32 / block)
 
 
-def local_defaults(H: int) -> Config:
+def local_defaults(H: int, replicas: int = REPLICAS) -> Config:
     """local_defaults: LocalSteps(Muon, sync_every=H) with every other option at its default, as its signature
-    gives it (passed explicitly, so train.py's defaults.json cannot differ from it)."""
+    gives it (passed explicitly, so train.py's defaults.json cannot differ from it); labelled with the format
+    the default exchange runs on `replicas` replicas ("auto": formats.by_replicas)."""
     default = {name: p.default for name, p in inspect.signature(shardopt.LocalSteps).parameters.items()}
     block = default["block"] or outer_format(default["exchange"]).block      # None: the format's own
-    return local_config("local_defaults", "muon", H, default["exchange"], default["outer_momentum"], block,
-                        default["outer_lr"])
+    config = local_config("local_defaults", "muon", H, default["exchange"], default["outer_momentum"], block,
+                          default["outer_lr"])
+    runs_as = by_replicas(replicas) if default["exchange"] == "auto" else default["exchange"]
+    return dataclasses.replace(config, exchange=config.exchange.replace(default["exchange"], runs_as, 1))
 
 
 def streaming_variant(config: Config, overlap: bool, fragments: int) -> Config:
@@ -198,12 +203,12 @@ def configs(n_embd: int, horizons: tuple[int, ...] = (10, 30, 100), replicas: in
     found = [Config(per_step["ddp_adamw"], "adamw", 0, "mean (fp32 gradients)"),
              Config(per_step["ddp_muon"], "muon", 0, "mean (fp32 gradients)"),
              Config(per_step["signmuon_lion"], "signmuon", 0, "vote (1 bit, every step)"),
-             Config(per_step["dion_1/4_lion"], "dion", 0, "low rank 1/4 (every step)"), local_defaults(30)]
+             Config(per_step["dion_1/4_lion"], "dion", 0, "low rank 1/4 (every step)"), local_defaults(30, replicas)]
     for H in horizons:
         found += [local_config(f"diloco_m{m:g}_H{H}", "adamw", H, "mean", m) for m in (0.9, 0.6)]
         found.append(local_config(f"muloco_H{H}", "muon", H, "int4"))
         found += [local_config(f"local_{inner}_H{H}_{exchange}", inner, H, exchange)
-                  for inner in ("signmuon", "dion", "muon") for exchange in EXCHANGES
+                  for inner in ("signmuon", "dion", "muon") for exchange in FORMATS
                   if not (inner == "muon" and exchange == "int4")]        # (that one is muloco_H<H>)
         found += [local_config(f"local_{inner}_H{H}_{exchange}_b128", inner, H, exchange, block=128)
                   for inner in ("signmuon", "dion", "muon") for exchange in ("sign_mean", "sign_vote", "lowrank")]

@@ -53,8 +53,8 @@ class LocalSteps(OptimizerAround):
     sync_every: H ≥ 1, inner steps per round.
     outer_lr, outer_momentum, nesterov: the outer SGD (0.7 / 0 / Nesterov by default: momentum 0 measured
         0.29–0.48 lower val loss than MuLoCo's 0.6 at 2 and 4 replicas and every size, docs/tuning.md).
-    exchange: one of formats.EXCHANGES ("mean", "mean_bf16", "int8", "int4", "sign_vote", "sign_mean",
-        "lowrank", "topk").
+    exchange: one of formats.EXCHANGES (mean, mean_bf16, int8, int4, sign_vote, sign_mean, topk, lowrank, auto);
+        "auto" (default): sign_mean at 2 replicas, sign_vote from 3, per round (formats.by_replicas, docs/tuning.md).
     rank_fraction: "lowrank"'s r = ⌈rank_fraction·min(m, n)⌉ per 2-D param (one whose (a+b)·r < a·b;
         the others go by sign_vote), with a warm-started Q (b×r, N(0,1) from the seed) in the state.
     block: entries per scale of "int8" / "int4" / "sign_vote" / "sign_mean" / "topk" (None: the format's own,
@@ -77,7 +77,7 @@ class LocalSteps(OptimizerAround):
     """
 
     def __init__(self, inner: torch.optim.Optimizer, *, replicate_mesh, sync_every: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.0, nesterov: bool = True, exchange: str = "sign_vote",
+                 outer_momentum: float = 0.0, nesterov: bool = True, exchange: str = "auto",
                  block: int | None = None, vote: str = "alltoall_1bit", rank_fraction: float = 0.25,
                  density: float = 0.02, overlap: bool = False, fragments: int = 1,
                  state_dtype=torch.float32, state_device=None, seed: int = 0, model=None,

@@ -42,7 +42,9 @@ def describe(local_steps, replicas: int) -> str:
     ratio = f", {ddp * H / total:.0f}× fewer than an fp32 all-reduce every step" if total else ""
     check = double_averaging_check_bytes(replicas) if local_steps.double_averaging_check else 0
     check = f" (step 1: + {check} B, the double-averaging check)" if check else ""
-    lines = [f"LocalSteps: sync every {H} steps, exchange {local_steps.format.name!r}, outer lr "
+    fmt = local_steps.format
+    named = f"{fmt.name!r}" + (f" ({fmt.at(replicas).name!r} at {replicas} replicas)" if fmt.name == "auto" else "")
+    lines = [f"LocalSteps: sync every {H} steps, exchange {named}, outer lr "
              f"{local_steps.outer_lr:g}, momentum {local_steps.outer_momentum:g}"
              f"{' Nesterov' if local_steps.nesterov else ''}, {local_steps.fragments} fragment(s)"
              f"{', overlapped' if local_steps.overlap else ''}",

@@ -36,13 +36,13 @@ import torch
 from ..algorithms import registry
 from ..algorithms.hyperparams import state_dtype
 from ..layout.placement import local
-from ..localsteps.formats import OUTER_FORMATS, outer_format
+from ..localsteps.formats import OUTER_FORMATS, by_replicas, outer_format
 from ..wire.comm import Axis, CountingAxis, complete
 from ..wire.exchange import MEAN
 from ..wire.seeds import mix_seed
 
 CHECKPOINT_EXCHANGE = "auto"   # what the framework adapters' checkpoints send (≤ one Sign-Muon step's vote)
-CHECKPOINT_EXCHANGES = ("auto", *OUTER_FORMATS)
+CHECKPOINT_EXCHANGES = tuple(OUTER_FORMATS)
 CHECKPOINT_BLOCK = 16384   # entries per magnitude of "sign_vote" / "sign_mean" / "int8" / "int4"
 
 
@@ -53,11 +53,9 @@ def checkpoint_exchange(optimizer) -> str:
 
 
 def resolve(exchange: str, replicas: int) -> str:
-    """The exchange `exchange` names at `replicas` replicas: "auto" → "sign_mean" at 2 (or 1), "sign_vote" from 3
-    up (module docstring); any other name as it is."""
-    if exchange != "auto":
-        return exchange
-    return "sign_mean" if replicas <= 2 else "sign_vote"
+    """The exchange `exchange` names at `replicas` replicas: "auto" → formats.by_replicas ("sign_mean" at 2 (or 1),
+    "sign_vote" from 3 up: module docstring); any other name as it is."""
+    return by_replicas(replicas) if exchange == "auto" else exchange
 
 
 def decoupled_momenta(groups: list[dict], state: dict) -> list[torch.Tensor]:
