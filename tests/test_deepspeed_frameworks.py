@@ -557,6 +557,23 @@ def test_the_shipped_configs_pass_hf_and_accelerate_config_processing(name, tmp_
     assert setup is None if name == "adamw" else setup.options.get("vote", "auto") == "auto"
 
 
+def test_the_local_steps_exchange_auto_is_spelled_by_replicas_in_a_config(tmp_path):
+    """Accelerate refuses an "auto" it does not fill (shardopt.local_steps.exchange); "by_replicas" passes its
+    processing and builds LocalSteps' exchange="auto"."""
+    from accelerate.utils import DeepSpeedPlugin
+    config = json.loads((ROOT / "integrations" / "deepspeed" / "signmuon_local_steps_bf16.json").read_text())
+    for spelling in ("auto", "by_replicas"):
+        config["shardopt"]["local_steps"]["exchange"] = spelling
+        path = tmp_path / f"{spelling}.json"
+        path.write_text(json.dumps(config))
+        if spelling == "auto":
+            with pytest.raises(ValueError, match="shardopt.local_steps.exchange"):
+                DeepSpeedPlugin(hf_ds_config=str(path)).deepspeed_config_process(must_match=False)
+        else:
+            DeepSpeedPlugin(hf_ds_config=str(path)).deepspeed_config_process(must_match=False)
+            assert plugin_setup(config).local_steps["exchange"] == "auto"
+
+
 @pytest.mark.parametrize("name, documented_lr", [("Dion", 0.02), ("SignMuon", 3e-3)])
 def test_lr_auto_filled_with_training_arguments_default_is_warned_about(name, documented_lr, tmp_path):
     """HF Trainer fills "lr": "auto" with TrainingArguments(learning_rate=...), whose default is an AdamW lr far

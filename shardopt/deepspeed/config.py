@@ -37,6 +37,8 @@ ABSOLUTE_LR_SCHEDULERS = {
 # "auto" is HF Transformers' and Accelerate's placeholder for a value they fill in, and they reject one they do
 # not know; in a DeepSpeed config the vote format with the fewest bytes (the optimizers' vote="auto") is spelled:
 VOTE_FEWEST_BYTES = "fewest_bytes"
+# and LocalSteps' exchange="auto" (the 1-bit format measured best at the round's replica count, formats.by_replicas):
+EXCHANGE_BY_REPLICAS = "by_replicas"
 # The matrix lr docs/tuning.md recommends (Sign-Muon with lr_scale "none": an absolute step, 1/10-1/20 of a 0.02 init
 # std up to the demo's 3e-3; with post_polar it is Muon-like, as Dion's). HF Transformers fills "lr": "auto" with
 # TrainingArguments(learning_rate=...), default 5e-5 (an AdamW fine-tuning lr): a matrix lr LR_WARN_FACTOR times
@@ -196,7 +198,7 @@ def _mesh(mesh, stage: int) -> tuple[int, int] | None:
 
 def _local_steps(options) -> dict | None:
     """LocalSteps' keyword arguments from "shardopt": {"local_steps": {"sync_every": H, ...}} (checked by
-    name here, by value when LocalSteps is built)."""
+    name here, by value when LocalSteps is built); "exchange": "by_replicas" (the config's spelling) as "auto"."""
     if options is None:
         return None
     allowed = [n for n in inspect.signature(LocalSteps.__init__).parameters if n not in LOCAL_STEPS_FILLED]
@@ -207,7 +209,7 @@ def _local_steps(options) -> dict | None:
     if unknown:
         raise ValueError(f"\"shardopt\": {{\"local_steps\": ...}} has unknown key(s) {', '.join(map(repr, unknown))}; "
                          f"allowed: {', '.join(allowed)}")
-    return dict(options)
+    return {**options, "exchange": "auto"} if options.get("exchange") == EXCHANGE_BY_REPLICAS else dict(options)
 
 
 def _optimizer_options(cls, params: dict, name: str) -> dict:
