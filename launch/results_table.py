@@ -66,7 +66,10 @@ SOURCES = {
     "fashion_mnist.csv": ("python launch/bench/fashion_mnist.py",
                           "Fashion-MNIST test accuracy (a CNN, conv weights as matrices, 2 replicas): every lr each "
                           "method ran, its seeds in order; the best by seed 0 marked."),
-    "localsteps.csv": (("python launch/bench/localsteps.py  # (the grid as docs/benchmarks.md ran it)",),
+    "localsteps.csv": (("python launch/bench/localsteps.py  # (the grid as docs/benchmarks.md ran it)",
+                        "python launch/bench/localsteps.py --configs local_defaults --lr-factors 1 --seeds 0 1 2",
+                        "python launch/bench/localsteps.py --configs local_muon_H30_sign_vote_b128 --outer-lrs 0.7 "
+                        "--outer-momenta 0 --lr-factors 1 --seeds 1 2"),
                        "Local steps (shardopt.LocalSteps) against the per-step methods, DiLoCo and a MuLoCo-style "
                        "peer, 2 × 2 ranks, the 1.3M-parameter GPT on BPE-4096, equal steps and tokens per horizon. "
                        "Link bytes: one node's on the link between the two nodes (one rank's counted bytes × 2 for "
