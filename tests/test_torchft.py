@@ -157,6 +157,17 @@ def test_per_step_kill_and_heal(tmp_path, mode):
     kill_restart_heal(tmp_path, 3, common, kill_step=5)
 
 
+def test_a_group_alone_where_more_were_promised_stops_with_a_message_naming_the_fix(tmp_path):
+    """One group of replica_groups=2 (the other never started, or has finished): join asks the quorum again until
+    its timeout, then raises naming the fix, instead of training alone or waiting for ever."""
+    records, _, codes = run_groups(tmp_path, 1, common=["--steps", "8", "--timeout", "5", "--join-timeout", "4"],
+                                   per_group={0: ["--groups", "2"]}, min_replicas=1)
+    log = (tmp_path / "group0_rank0.log").read_text()
+    assert codes[0] == [1], (codes, log[-3000:])
+    assert "only 1 of replica_groups=2 groups are in the quorum" in log and "have finished" in log, log[-3000:]
+    assert not [r for r in records if "hash" in r]   # it trained nothing
+
+
 @pytest.mark.slow
 def test_a_straggler_sits_out_a_round_and_heals_at_the_next(tmp_path):
     common = ["--steps", "32", "--sync-every", "4", "--step-sleep", "0.1", "--timeout", "5"]

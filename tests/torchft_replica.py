@@ -38,6 +38,7 @@ def parse():
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--groups", type=int, default=None, help="replica groups a fresh start waits for")
     p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--join-timeout", type=float, default=600.0, help="shardopt.torchft.join's timeout_s")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (a restart must meet a sync)")
     p.add_argument("--sync-now", action="store_true", help="LocalSteps.sync_now after the last step, twice")
     p.add_argument("--out", required=True)
@@ -99,7 +100,7 @@ def main():
         if rounds == args.error_in_round and call == 2:
             manager.report_error(RuntimeError("injected by the test"))
     axis.fail_hook = hook
-    shardopt.torchft.join(opt, replica_groups=args.groups)
+    shardopt.torchft.join(opt, replica_groups=args.groups, timeout_s=args.join_timeout)
     out = open(args.out, "a")
     steps = opt.steps if args.mode == "localsteps" else None
     step = steps if steps is not None else 0

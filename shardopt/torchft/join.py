@@ -43,7 +43,9 @@ def join(optimizer, replica_groups: int | None = None, timeout_s: float = 600.0)
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"shardopt.torchft.join: after {timeout_s:g} s only {axis.size} of replica_groups="
-                               f"{replica_groups} groups have started; start the others, or pass the number that runs")
+                               f"{replica_groups} groups are in the quorum; start the others, or pass the number that "
+                               f"runs. (A group restarted after the others have finished has no live group to heal "
+                               f"from: their run is over, and their final model or checkpoint is its result.)")
         time.sleep(1.0)
 
 
