@@ -258,7 +258,8 @@ SOURCES = {
                    "python launch/bench/sizes.py --sizes L --steps 200 --configs signmuon_lion --lr-factors 0.5",
                    "python launch/bench/sizes.py --sizes L --steps 200 --configs ddp_muon --seeds 1",
                    "python launch/bench/sizes.py --sizes L --steps 200 --configs signmuon_lion --lr-factors 0.25",
-                   "python launch/bench/sizes.py --sizes L --steps 200 --configs local_muon_H40_sign_vote_b128 --outer-lrs 0.7 --outer-momenta 0 --seeds 1",
+                   "python launch/bench/sizes.py --sizes L --steps 200 --configs local_muon_H40_sign_vote_b128 "
+                   "--outer-lrs 0.7 --outer-momenta 0 --seeds 1",
                    "python launch/bench/sizes.py --sizes S --steps 200 --configs signmuon_lion --lr-factors 0.5 2",
                    "python launch/bench/sizes.py --sizes M --steps 200 --configs signmuon_lion --lr-factors 0.25",
                    "python launch/bench/sizes.py --sizes M --steps 200 --configs signmuon_lion --lr-factors 0.5 --seeds 1",

@@ -150,7 +150,8 @@ def test_the_adapters_default_checkpoint_agreement_costs_at_most_one_step(replic
     """Issue 39.1's default ("auto", results/checkpoint_momenta.csv): the best-measured agreement within one
     compressed step's bytes: sign_mean at 2 replicas, sign_vote from 3 up (sign_mean's all-gather would exceed a
     step's vote there); describe() names it and its bytes, counted on a counting axis."""
-    from shardopt.optim.checkpoint_momenta import CHECKPOINT_EXCHANGE, checkpoint_bytes, resolve
+    from shardopt.localsteps.formats import resolve
+    from shardopt.optim.checkpoint_momenta import CHECKPOINT_EXCHANGE, checkpoint_bytes
     from shardopt.optim.traffic import describe_optimizer
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
     opt = shardopt.SignMuon(shardopt.param_groups(model, "signmuon", "lion"), lr=0.01)

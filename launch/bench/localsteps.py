@@ -57,7 +57,7 @@ from pathlib import Path
 import campaign
 import runs
 import shardopt
-from shardopt.localsteps.formats import DEFAULT_BLOCK, EXCHANGES, by_replicas, outer_format
+from shardopt.localsteps.formats import DEFAULT_BLOCK, EXCHANGES, outer_format, resolve
 
 FIELDS = ["method", "inner", "H", "replicas", "exchange", "outer_lr", "outer_momentum", "lr", "scalar_lr", "seed", "steps", "tokens",
           "final_val_loss", "replicate_bytes_total", "link_bytes_total", "bytes_per_token_vs_ddp_fp32", "x_fewer_bytes", "compute_s",
@@ -126,12 +126,12 @@ def int4_bits_as_gathered(replicas: int, block: int = DEFAULT_BLOCK) -> float:
 def local_defaults(H: int, replicas: int = REPLICAS) -> Config:
     """local_defaults: LocalSteps(Muon, sync_every=H) with every other option at its default, as its signature
     gives it (passed explicitly, so train.py's defaults.json cannot differ from it); labelled with the format
-    the default exchange runs on `replicas` replicas ("auto": formats.by_replicas)."""
+    the default exchange runs on `replicas` replicas (formats.resolve)."""
     default = {name: p.default for name, p in inspect.signature(shardopt.LocalSteps).parameters.items()}
     block = default["block"] or outer_format(default["exchange"]).block      # None: the format's own
     config = local_config("local_defaults", "muon", H, default["exchange"], default["outer_momentum"], block,
                           default["outer_lr"])
-    runs_as = by_replicas(replicas) if default["exchange"] == "auto" else default["exchange"]
+    runs_as = resolve(default["exchange"], replicas)
     return dataclasses.replace(config, exchange=config.exchange.replace(default["exchange"], runs_as, 1))
 
 

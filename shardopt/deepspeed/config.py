@@ -209,7 +209,7 @@ def _local_steps(options) -> dict | None:
     if unknown:
         raise ValueError(f"\"shardopt\": {{\"local_steps\": ...}} has unknown key(s) {', '.join(map(repr, unknown))}; "
                          f"allowed: {', '.join(allowed)}")
-    return {**options, "exchange": "auto"} if options.get("exchange") == EXCHANGE_BY_REPLICAS else dict(options)
+    return _auto_spelled(options, "exchange", EXCHANGE_BY_REPLICAS)
 
 
 def _optimizer_options(cls, params: dict, name: str) -> dict:
@@ -227,7 +227,7 @@ def _optimizer_options(cls, params: dict, name: str) -> dict:
     if unknown:
         raise ValueError(f"optimizer.params has unknown key(s) {', '.join(map(repr, unknown))} for {name}; "
                          f"allowed: {', '.join(allowed)}")
-    options = _vote_spelling(params)
+    options = _auto_spelled(params, "vote", VOTE_FEWEST_BYTES)
     if "betas" in options:
         options["betas"] = tuple(options["betas"])
     return options
@@ -268,13 +268,15 @@ def _shardopt_section(config: dict) -> dict:
     if unknown:
         raise ValueError(f"the config's \"shardopt\" section has unknown key(s) {', '.join(map(repr, unknown))}; "
                          f"allowed: {', '.join(SHARDOPT_SECTION_KEYS)}")
-    return {**section, **{key: _vote_spelling(section[key]) for key in ("nonmatrix", "matrix") if section.get(key)}}
+    return {**section, **{key: _auto_spelled(section[key], "vote", VOTE_FEWEST_BYTES) for key in ("nonmatrix", "matrix")
+                          if section.get(key)}}
 
 
-def _vote_spelling(options: dict) -> dict:
-    """A copy of a group's options with vote "fewest_bytes" (the config's spelling) as the optimizers' "auto"
-    (still accepted as such outside HF Transformers and Accelerate, which take "auto" for their placeholder)."""
-    return {**options, "vote": "auto"} if options.get("vote") == VOTE_FEWEST_BYTES else dict(options)
+def _auto_spelled(options: dict, key: str, spelling: str) -> dict:
+    """A copy of `options` with `key` given as `spelling` (a config's name for one of shardopt's "auto" choices:
+    VOTE_FEWEST_BYTES, EXCHANGE_BY_REPLICAS) as "auto", which is still accepted as such outside HF Transformers
+    and Accelerate (they take "auto" for their placeholder)."""
+    return {**options, key: "auto"} if options.get(key) == spelling else dict(options)
 
 
 def build_param_groups(model, model_parameters, cls, section: dict) -> list:

@@ -244,6 +244,11 @@ def by_replicas(replicas: int) -> str:
     return "sign_mean" if replicas <= 2 else "sign_vote"
 
 
+def resolve(exchange: str, replicas: int) -> str:
+    """The format `exchange` runs among `replicas` replicas: "auto" → `by_replicas`; any other name as it is."""
+    return by_replicas(replicas) if exchange == "auto" else exchange
+
+
 class ByReplicas(OuterFormat):
     """"auto": each exchange through `by_replicas(M)` of the exchange's own M, so under torchft, whose M is
     the round's quorum, the format follows the quorum round by round. Both are scaled signs with error

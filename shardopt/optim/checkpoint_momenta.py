@@ -36,7 +36,7 @@ import torch
 from ..algorithms import registry
 from ..algorithms.hyperparams import state_dtype
 from ..layout.placement import local
-from ..localsteps.formats import OUTER_FORMATS, by_replicas, outer_format
+from ..localsteps.formats import OUTER_FORMATS, outer_format
 from ..wire.comm import Axis, CountingAxis, complete
 from ..wire.exchange import MEAN
 from ..wire.seeds import mix_seed
@@ -50,12 +50,6 @@ def checkpoint_exchange(optimizer) -> str:
     """The exchange the framework adapters' checkpoints use for `optimizer`: its `checkpoint_exchange`
     attribute where a user set one ("mean": the exact fp32 mean), else CHECKPOINT_EXCHANGE."""
     return getattr(optimizer, "checkpoint_exchange", CHECKPOINT_EXCHANGE)
-
-
-def resolve(exchange: str, replicas: int) -> str:
-    """The exchange `exchange` names at `replicas` replicas: "auto" → formats.by_replicas ("sign_mean" at 2 (or 1),
-    "sign_vote" from 3 up: module docstring); any other name as it is."""
-    return by_replicas(replicas) if exchange == "auto" else exchange
 
 
 def decoupled_momenta(groups: list[dict], state: dict) -> list[torch.Tensor]:
@@ -76,9 +70,8 @@ def average_decoupled_momenta(groups: list[dict], state: dict, replicate: Axis, 
     """In place: each record's `decoupled_momentum` of every param with state in `groups` ← the value the
     replicas agree on through `exchange` (module docstring), bitwise equal on every replica; `seed`: the
     vote's tie coins (equal on every replica). "mean": one all-reduce per dtype (exchange.MEAN); the others:
-    one flat fp32 x of every momentum through the localsteps format."""
+    one flat fp32 x of every momentum through the localsteps format ("auto": formats.ByReplicas, at this M)."""
     momenta = decoupled_momenta(groups, state)
-    exchange = resolve(exchange, replicate.size)
     fmt = _format(exchange) if exchange != "mean" else None
     if not momenta or replicate.size == 1:
         return
@@ -111,7 +104,6 @@ def checkpoint_bytes(groups: list[dict], replicas: int, exchange: str) -> int:
                 shape = record.state_shapes(p, group)[record.decoupled_momentum][1]
                 numels.setdefault(state_dtype(group, p), []).append(torch.Size(shape).numel())
     axis, total = CountingAxis("replicate", replicas), sum(sum(values) for values in numels.values())
-    exchange = resolve(exchange, replicas)
     if not total or replicas <= 1:
         return 0
     if exchange == "mean":

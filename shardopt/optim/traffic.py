@@ -27,7 +27,8 @@ from ..wire.comm import Axes, Axis, CountingAxis, collective_bytes
 from ..algorithms.hyperparams import state_dtype
 from ..layout.placement import derive_meshes, local
 from .plan import group_steps, plan_group
-from .checkpoint_momenta import CHECKPOINT_EXCHANGE, checkpoint_bytes, checkpoint_exchange, resolve
+from ..localsteps.formats import resolve
+from .checkpoint_momenta import CHECKPOINT_EXCHANGE, checkpoint_bytes, checkpoint_exchange
 from ..algorithms.registry import algorithm
 from .schedule import pipeline
 
