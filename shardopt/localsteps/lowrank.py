@@ -11,6 +11,7 @@ from ..algorithms.dion import compressed, init_state, next_q, power_iteration, q
 from ..algorithms.lowrank import orthonormalize
 from ..layout.placement import local, matrix_layout
 from ..wire.comm import Axes
+from ..wire.seeds import mix_seed
 from ..algorithms.factors import FactorMean
 from .codec import nonfinite_flag
 from .formats import OuterFormat, SignVote
@@ -131,3 +132,21 @@ def lowrank_format(params: list, rank_fraction: float, rest: SignVote, axes, sta
     OuterState; None: meta Qs, a format to count bytes with)."""
     q_of = (lambda param: _meta_q(param, rank_fraction)) if states is None else (lambda param: local(states[param].Q))
     return LowRank(_matrices(params, rank_fraction, q_of), rest, axes)
+
+
+class FragmentFormats:
+    """The format each fragment of a LocalSteps exchanges by: `base` (formats.outer_format) for every
+    fragment; for "lowrank" (`rank_fraction` set) a LowRank per fragment over its matrices' warm-start Q,
+    `base` (a SignVote) exchanging the rest."""
+
+    def __init__(self, base: OuterFormat, rank_fraction: float | None, seed: int):
+        self.base, self.rank_fraction, self.seed = base, rank_fraction, seed
+
+    def initial_q(self, param: torch.Tensor, slot: int) -> torch.Tensor | None:
+        """The outer state's Q of the param at `slot` (initial_q, seeded by slot; None without "lowrank")."""
+        return None if self.rank_fraction is None else initial_q(param, self.rank_fraction, mix_seed(self.seed, slot))
+
+    def of(self, params: list, axes: Axes, states=None) -> OuterFormat:
+        """The format of a fragment's `params` (lowrank_format over `states`' Qs, or meta Qs to count bytes)."""
+        return self.base if self.rank_fraction is None else lowrank_format(params, self.rank_fraction, self.base,
+                                                                          axes, states)

@@ -30,12 +30,11 @@ import torch
 from ..layout.placement import local
 from ..wire.comm import Axes
 from ..wire.replicas import replicate_axis
-from ..wire.seeds import mix_seed
 from . import finish, traffic
 from .checks import SyncChecks, check_local_steps, check_model, inner_axes
 from .formats import outer_format
 from .fragment import EVERY_PARAM, Fragment, OuterSGD, Ownership, SyncSettings, split_fragments, sync_offset
-from .lowrank import initial_q, lowrank_format
+from .lowrank import FragmentFormats
 from .state import load_outer_state, new_outer_state, split_state_dict, with_outer_state
 from .surface import OptimizerAround
 
@@ -87,7 +86,7 @@ class LocalSteps(OptimizerAround):
                                         state_dtype=state_dtype, state_device=state_device, density=density)
         super().__init__(inner)
         self.format = outer_format(exchange, block=block, vote=vote, density=density)   # ("lowrank": its non-matrix part)
-        self.exchange_name, self.rank_fraction = exchange, rank_fraction
+        self.formats = FragmentFormats(self.format, rank_fraction if exchange == "lowrank" else None, int(seed))
         self.sync_every, self.outer_lr, self.outer_momentum, self.nesterov = sync_every, outer_lr, outer_momentum, \
             nesterov
         self.overlap, self.fragments, self.seed = bool(overlap), fragments, int(seed)
@@ -118,20 +117,13 @@ class LocalSteps(OptimizerAround):
             if not self.state.get(params[slot]):
                 self.state[params[slot]] = new_outer_state(
                     params[slot], dtype=self.state_dtype, device=self.state_device, momentum=self.outer_momentum > 0,
-                    lossy=self.format.lossy, overlap=self.overlap, Q=initial_q(
-                        params[slot], self.rank_fraction, mix_seed(self.seed, slot)) if self.exchange_name == "lowrank" else None)
+                    lossy=self.format.lossy, overlap=self.overlap, Q=self.formats.initial_q(params[slot], slot))
         if not self._fragments:
             settings = SyncSettings(self.replicate, OuterSGD(self.outer_lr, self.outer_momentum, self.nesterov),
                                     self.checks, self.seed, self.fragments, self.overlap)
-            self._fragments = [Fragment(index, part, self.state, self._format(part), settings)
+            axes = Axes(self.replicate, *self.other_axes)
+            self._fragments = [Fragment(index, part, self.state, self.formats.of(part, axes, self.state), settings)
                                for index, part in enumerate(self._partition())]
-
-    def _format(self, params: list, axes: Axes | None = None):
-        """A fragment's format: self.format, or "lowrank"'s LowRank (counting `axes`: meta Qs, for bytes)."""
-        if self.exchange_name != "lowrank":
-            return self.format
-        return lowrank_format(params, self.rank_fraction, self.format, axes or Axes(self.replicate, *self.other_axes),
-                              None if axes else self.state)
 
     def _repartition(self) -> None:
         """The fragments' params again, after the inner optimizer's params changed."""
@@ -231,7 +223,7 @@ class LocalSteps(OptimizerAround):
         """Replicate-axis bytes of each fragment's sync at `replicas` (its exchange counted on meta tensors,
         traffic.py); 0 on the inner steps."""
         axes = traffic.counting_axes(self.replicate.size if replicas is None else replicas, *self.other_axes)
-        return [traffic.sync_bytes(self._format(part, axes), sum(local(p).numel() for p in part), axes.replicate)
+        return [traffic.sync_bytes(self.formats.of(part, axes), sum(local(p).numel() for p in part), axes.replicate)
                 for part in self._partition()]
 
     def describe(self, replicas: int | None = None) -> str:
