@@ -1,6 +1,7 @@
 """The documents the README and the code cite are in the repo: every file the README links or
 names, and every "docs/design.md §N" citation resolves to a section heading of docs/design.md."""
 
+import csv
 import re
 from pathlib import Path
 
@@ -54,3 +55,35 @@ def test_every_design_section_citation_resolves():
 def test_no_citation_of_a_design_document_outside_the_repo():
     stale = sorted(path.relative_to(ROOT).as_posix() for path in SOURCES if re.search(r"\bDESIGN(\.md)?\b", path.read_text()))
     assert not stale, stale
+
+
+def _quoted_losses(text: str) -> list[str]:
+    """The val losses a text quotes: numbers from 3 to 7 with three decimals."""
+    return re.findall(r"(?<![\d.])([3-6]\.\d{3})(?!\d)", text)
+
+
+def _recorded_losses(paths: list[str]) -> list[float]:
+    """Every value of a *loss* column in the CSVs at `paths` (repo-relative)."""
+    values = []
+    for path in paths:
+        for row in csv.DictReader((ROOT / path).open()):
+            values += [float(value) for key, value in row.items() if "loss" in key and re.fullmatch(r"[\d.]+", value or "")]
+    return values
+
+
+def test_every_loss_docs_tuning_quotes_is_in_the_csv_it_cites():
+    """docs/tuning.md's numbers are typed by hand: each val loss quoted in a bullet must be (to its three
+    decimals) a loss recorded in a results CSV that the bullet cites, or, where it cites none, that its
+    section's opening paragraph cites. A quote with no CSV to trace it to fails too."""
+    untraced, checked = [], 0
+    for section in re.split(r"\n(?=## )", (ROOT / "docs" / "tuning.md").read_text()):
+        opening, *items = section.split("\n- ")
+        for item in items:
+            cited = re.findall(r"results/\w+\.csv", item) or re.findall(r"results/\w+\.csv", opening)
+            recorded = _recorded_losses(cited)
+            for quoted in _quoted_losses(item):
+                checked += 1
+                if not any(abs(float(quoted) - value) <= 5e-4 + 1e-9 for value in recorded):
+                    untraced.append((item.split("\n")[0][:50], quoted, cited))
+    assert checked >= 50                     # the local-steps and Sign-Muon sections quote that many
+    assert not untraced, untraced
