@@ -127,9 +127,9 @@ def test_time_to_target_adds_the_link_seconds_of_the_bytes_sent_until_then():
     assert runs.time_to_target(curve, 3.0, seconds_per_byte=0.01) == math.inf
 
 
-def _local_row(method, steps, loss, sent):
+def _local_row(method, steps, loss, sent, processes=4):
     return {"method": method, "lr": "0.01", "scalar_lr": "0.1", "seed": "0", "steps": str(steps),
-            "final_val_loss": loss, "replicate_bytes_total": str(sent)}
+            "tokens": str(steps * 1024 * processes), "final_val_loss": loss, "replicate_bytes_total": str(sent)}
 
 
 def test_localsteps_rows_are_against_ddp_adamw_at_the_same_steps_in_link_bytes():
@@ -166,8 +166,23 @@ def test_localsteps_on_four_replicas_counts_one_crossing_per_node_and_runs_a_4_b
     assert localsteps.replicas_variant(every["local_muon_H30_sign_vote"], 2) == every["local_muon_H30_sign_vote"]
     command = config.method.command(0.02, None, 0, Path("out"), [], config.replicas, config.ranks_per_node)
     assert command[command.index("--replicate") + 1] == "4" and command[command.index("--shard") + 1] == "1"
-    with pytest.raises(SystemExit, match="ddp_adamw has no outer loop"):
+    with pytest.raises(SystemExit, match="ddp_adamw runs on 4 processes at 2 and 4 replicas alike"):
         localsteps.replicas_variant(every["ddp_adamw"], 4)
+
+
+def test_localsteps_on_eight_replicas_runs_eight_nodes_of_one_rank_against_ddp_on_eight_ranks():
+    """--replicas 8 (or 3): that many nodes of one rank, the per-step peers too (…_M8, on 8 processes, twice the
+    tokens per step); a row's baseline is ddp_adamw at its own steps and tokens: ddp_adamw_M8 for the M8 rows."""
+    rows = [_local_row("ddp_adamw", 10, "4.0", 8000), _local_row("ddp_adamw_M8", 10, "3.8", 7000, 8),
+            _local_row("ddp_adamw_M8", 10, "3.9", 9999, 8), {**_local_row("local_x_M8", 10, "3.9", 35, 8), "replicas": "8"}]
+    out = {(r["method"], r["replicate_bytes_total"]): r for r in localsteps.arrange(rows, {})}
+    assert out[("local_x_M8", "35")]["link_bytes_total"] == 35 and float(out[("local_x_M8", "35")]["x_fewer_bytes"]) == 200.0
+    assert out[("ddp_adamw_M8", "7000")]["link_bytes_total"] == 7000   # DDP's ring: one crossing, at any rank count
+    every = {c.method.name: c for c in localsteps.configs(128, replicas=8)}
+    for name, replicas in (("ddp_adamw", 8), ("local_defaults", 8), ("local_defaults", 3)):
+        config = localsteps.replicas_variant(every[name], replicas)
+        assert (config.method.name, config.processes, config.ranks_per_node) == (f"{name}_M{replicas}", replicas, 1)
+    assert every["local_defaults"].exchange.startswith("sign_vote")     # "auto" at 8 replicas
 
 
 def test_localsteps_configs_cover_every_inner_exchange_and_period_once():

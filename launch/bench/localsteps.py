@@ -12,7 +12,9 @@ MuLoCo-style peers, at equal steps and tokens: final val loss and replicate byte
         --csv results/localsteps_smoke.csv                             # a reduced-scale check
 
 Each run: torchrun --standalone with 2 × 2 ranks on this machine (two "nodes" of two ranks; --replicas 4: four
-"nodes" of one rank, the replicas column), the same model, data and schedule as convergence.py
+"nodes" of one rank, the replicas column; --replicas 3 or 8: that many nodes of one rank, and the per-step
+peers on as many ranks, …_M8: a rank's batch stays, so the tokens per step change), the same model, data and
+schedule as convergence.py
 (runs.model_args). A config is a runs.Method:
 - the per-step peers of runs.methods(): ddp_adamw, ddp_muon (DDP, fp32 gradient all-reduce), signmuon_lion
   (1 bit per entry every step);
@@ -52,6 +54,7 @@ import argparse
 import dataclasses
 import inspect
 import math
+import re
 from pathlib import Path
 
 import campaign
@@ -67,7 +70,8 @@ FORMATS = tuple(exchange for exchange in EXCHANGES if exchange != "auto")   # ("
                                                                             # local_defaults runs it)
 CURVE_FIELDS = ["method", "lr", "scalar_lr", "seed", "steps", "step", "val_loss", "replicate_bytes", "compute_s"]
 LINKS_MBIT = (10, 1)
-RANKS = 4             # every run: 4 processes, replicas (nodes) × RANKS / replicas shard ranks per node
+RANKS = 4             # a run: 4 processes, replicas (nodes) × RANKS / replicas shard ranks per node (other
+                      # replica counts: that many nodes of one rank, see ranks_per_node)
 REPLICAS = 2          # the benchmark's mesh: 2 nodes × 2 ranks (--replicas 4: 4 nodes × 1, methods named …_M4)
 RING_CROSSINGS = 1    # DDP's ring over the 4 ranks: one rank's bytes cross each way (results/slowlink*.csv)
 BASELINE = "ddp_adamw"
@@ -90,7 +94,22 @@ class Config:
 
     @property
     def ranks_per_node(self) -> int:
-        return RANKS // self.replicas
+        return ranks_per_node(self.replicas)
+
+    @property
+    def processes(self) -> int:
+        return self.replicas * self.ranks_per_node
+
+
+def ranks_per_node(replicas: int) -> int:
+    """RANKS / replicas where that divides (the same 4 processes, 2 × 2 or 4 × 1), else 1 (3, 8: that many
+    nodes of one rank: more or fewer processes, so more or fewer tokens per step than the 4-process runs)."""
+    return RANKS // replicas if RANKS % replicas == 0 else 1
+
+
+def base_name(method: str) -> str:
+    """A method's name without its …_M<replicas> suffix (replicas_variant)."""
+    return re.sub(r"_M\d+$", "", method)
 
 
 def local_config(name: str, inner: str, H: int, exchange: str, outer_momentum: float = 0.6,
@@ -158,12 +177,14 @@ def outer_variant(config: Config, outer_lr: float, outer_momentum: float) -> Con
 
 
 def replicas_variant(config: Config, replicas: int) -> Config:
-    """A local-steps config on `replicas` nodes of RANKS / replicas ranks each, labelled …_M<replicas>
-    (unchanged at the benchmark's REPLICAS)."""
+    """A config on `replicas` nodes of ranks_per_node(replicas) ranks each, labelled …_M<replicas> (unchanged
+    at the benchmark's REPLICAS). A per-step peer only where its processes change (3, 8): on 4 processes it
+    is one run whatever the nodes (its rows serve 2 and 4 replicas alike)."""
     if replicas == REPLICAS:
         return config
-    if not config.H:
-        raise SystemExit(f"--replicas: {config.method.name} has no outer loop (choose local-steps configs)")
+    if not config.H and replicas * ranks_per_node(replicas) == RANKS:
+        raise SystemExit(f"--replicas {replicas}: {config.method.name} runs on {RANKS} processes at 2 and 4 replicas "
+                         f"alike (its rows serve both); choose local-steps configs, or 3 or 8 replicas")
     method = dataclasses.replace(config.method, name=f"{config.method.name}_M{replicas}")
     return dataclasses.replace(config, method=method, replicas=replicas)
 
@@ -178,9 +199,9 @@ def add_variant_arguments(parser, replicas: bool = True) -> None:
                         help="the chosen local-steps configs with the exchange one round late (…_overlap)")
     parser.add_argument("--fragments", type=int, default=1, help="the chosen configs synced in F fragments (…_fF)")
     if replicas:
-        parser.add_argument("--replicas", type=int, choices=(2, 4), default=REPLICAS,
-                            help=f"nodes (replicas) of {RANKS} / replicas ranks each for the chosen local-steps "
-                                 f"configs (…_M4); {REPLICAS}: the benchmark's mesh")
+        parser.add_argument("--replicas", type=int, choices=(2, 3, 4, 8), default=REPLICAS,
+                            help=f"nodes (replicas) of {RANKS} / replicas ranks each (3, 8: of one rank) for the "
+                                 f"chosen configs (…_M4); {REPLICAS}: the benchmark's mesh")
 
 
 def variants(chosen: list[Config], args) -> list[Config]:
@@ -223,26 +244,27 @@ def link_factor(method: str, replicas: int = REPLICAS) -> int:
     """The bytes one node puts on the link per byte one rank counted: each of shardopt's RANKS / replicas
     replicate groups (one per rank of a node) crosses it; DDP's ring crosses it once (the ratios slowlink.py
     measured on the emulated link)."""
-    return RING_CROSSINGS if method in DDP_METHODS else RANKS // replicas
+    return RING_CROSSINGS if base_name(method) in DDP_METHODS else ranks_per_node(replicas)
 
 
 def arrange(rows: list[dict], curves: dict, step_ms: dict | None = None) -> list[dict]:
-    """The columns that depend on ddp_adamw's row at the same steps (its best lr over the file: bytes
-    ratio and time to its final val loss), recomputed whenever the CSV is written. step_ms: method →
+    """The columns that depend on ddp_adamw's row at the same steps and tokens (its best lr over the file; at 3
+    or 8 replicas ddp_adamw_M<replicas>'s: bytes ratio and time to its final val loss), recomputed whenever the
+    CSV is written. step_ms: method →
     its step time from the quiet pass (--step-times); where given, a run's compute seconds up to a step
     are step × step_ms (the campaign's own step times are measured on a machine shared with other runs)."""
     step_ms = step_ms or {}
     baselines = {}
     for row in rows:
-        if row["method"] == BASELINE:
-            steps = str(row["steps"])
-            if steps not in baselines or float(row["final_val_loss"]) < float(baselines[steps]["final_val_loss"]):
-                baselines[steps] = row
+        if base_name(row["method"]) == BASELINE:
+            at = (str(row["steps"]), str(row["tokens"]))
+            if at not in baselines or float(row["final_val_loss"]) < float(baselines[at]["final_val_loss"]):
+                baselines[at] = row
     for row in rows:
         if str(row.get("H", "0")) != "0" and not row.get("outer_lr"):
             row["outer_lr"] = f"{OUTER_LR:g}"     # (rows from before the column: the default)
         row["replicas"] = int(row.get("replicas") or REPLICAS)     # (rows from before the column: the benchmark's)
-        baseline = baselines.get(str(row["steps"]))
+        baseline = baselines.get((str(row["steps"]), str(row["tokens"])))
         if baseline is None:
             continue
         row["link_bytes_total"] = int(row["replicate_bytes_total"]) * link_factor(row["method"], row["replicas"])
@@ -309,7 +331,8 @@ def measure_step_times(chosen: list[Config], args, path: Path) -> None:
         method = config.method
         out = args.runs_dir / f"quiet{args.steps}" / method.name.replace("/", "_")
         command = method.command(method.lr, None, 0, out, runs.model_args(args), config.replicas, config.ranks_per_node)
-        if rows.attempt(method.name, lambda: campaign.run_local(command, RANKS, out / "log.txt", args.run_timeout)):
+        if rows.attempt(method.name, lambda: campaign.run_local(command, config.processes, out / "log.txt",
+                                                                args.run_timeout)):
             rows.add({"method": method.name, "steps": args.steps,
                       "step_ms": f"{runs.summarize(runs.read_metrics(out)).step_ms:.1f}"})
     rows.finish("--runs-dir")
@@ -341,7 +364,7 @@ def main() -> None:
     chosen = variants([every[name] for name in args.configs] if args.configs else [] if args.merge
                       else list(every.values()), args)
     model = runs.model_args(args)
-    tokens_per_step = args.batch_size * args.block_size * RANKS
+    tokens_per_rank = args.batch_size * args.block_size
     curves_campaign = campaign.Campaign(args.csv.with_name(args.csv.stem + "_curves.csv"), CURVE_FIELDS,
                                         (*KEY, "step"))
 
@@ -361,7 +384,7 @@ def main() -> None:
         curves_campaign.add(*campaign.read_csv(other.with_name(other.stem + "_curves.csv")), show=False)
         finals.add(*({field: row.get(field, "") for field in FIELDS} for row in campaign.read_csv(other)), show=False)
     print(f"localsteps: {len(chosen)} configs × {len(args.lr_factors)} lrs × seeds {args.seeds}; {args.steps} steps "
-          f"of {tokens_per_step:,} tokens; {args.replicas} × {RANKS // args.replicas} ranks", flush=True)
+          f"of {tokens_per_rank:,} tokens per rank; {args.replicas} × {ranks_per_node(args.replicas)} ranks", flush=True)
     for config in chosen:
         method = config.method
         for factor in args.lr_factors:
@@ -370,7 +393,7 @@ def main() -> None:
                 out = runs.local_run_dir(args.runs_dir / f"s{args.steps}", method, lr, None, seed, config.ranks_per_node)
                 command = method.command(lr, None, seed, out, model, config.replicas, config.ranks_per_node)
                 if not finals.attempt(f"{method.name} lr {lr:g} seed {seed}", lambda: campaign.run_local(
-                        command, RANKS, out / "log.txt", args.run_timeout, reuse=True)):
+                        command, config.processes, out / "log.txt", args.run_timeout, reuse=True)):
                     continue
                 summary = runs.summarize(runs.read_metrics(out))
                 key = {"method": method.name, "lr": f"{lr:g}", "scalar_lr": method.scalar_lr_text(scalar_lr),
@@ -382,7 +405,7 @@ def main() -> None:
                             "exchange": config.exchange,
                             "outer_momentum": "" if config.outer_momentum is None else f"{config.outer_momentum:g}",
                             "outer_lr": "" if config.outer_lr is None else f"{config.outer_lr:g}",
-                            "tokens": summary.steps * tokens_per_step, "final_val_loss": f"{summary.final_val_loss:.4f}",
+                            "tokens": summary.steps * tokens_per_rank * config.processes, "final_val_loss": f"{summary.final_val_loss:.4f}",
                             "replicate_bytes_total": summary.replicate_bytes_total,
                             "compute_s": f"{summary.curve[-1][1]:.1f}"})
     everything = finals.everything()
