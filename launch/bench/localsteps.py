@@ -75,6 +75,7 @@ RANKS = 4             # a run: 4 processes, replicas (nodes) × RANKS / replicas
 REPLICAS = 2          # the benchmark's mesh: 2 nodes × 2 ranks (--replicas 4: 4 nodes × 1, methods named …_M4)
 RING_CROSSINGS = 1    # DDP's ring over the 4 ranks: one rank's bytes cross each way (results/slowlink*.csv)
 BASELINE = "ddp_adamw"
+HORIZONS = (10, 30, 100)   # the grid's H (--horizons)
 INNER_LR = {"signmuon": 3e-3, "dion": 0.02, "muon": 0.02, "adamw": 1.5e-3}    # convergence_best.csv's per-step bests
 OUTER_LR = 0.7          # LocalSteps' default (MuLoCo's), momentum 0.6
 DDP_METHODS = {m.name for m in runs.methods(128) if m.script == runs.DDP_TRAIN}   # (128: the benchmark's n_embd)
@@ -215,7 +216,7 @@ def variants(chosen: list[Config], args) -> list[Config]:
     return [replicas_variant(c, getattr(args, "replicas", REPLICAS)) for c in chosen]
 
 
-def configs(n_embd: int, horizons: tuple[int, ...] = (10, 30, 100), replicas: int = REPLICAS) -> list[Config]:
+def configs(n_embd: int, horizons: tuple[int, ...] = HORIZONS, replicas: int = REPLICAS) -> list[Config]:
     """Every config of the benchmark: the per-step peers (issue 42's four), local_defaults at H 30, then DiLoCo,
     MuLoCo-style and LocalSteps with Sign-Muon, Dion and Muon inside for each outer exchange and H in `horizons`
     (and Muon with topk at sign_mean block 128's bytes, …_topk_as_sign_mean_b128, and at int4's on `replicas`
@@ -344,6 +345,8 @@ def main() -> None:
     parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0],
                         help="× each config's lr (the inner lr of the 2-D weights)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--horizons", nargs="+", type=int, default=list(HORIZONS),
+                        help="the H of the local-steps configs (their names: …_H<H>_…)")
     add_variant_arguments(parser)
     runs.add_model_arguments(parser)
     parser.add_argument("--run-timeout", type=float, default=7200.0)
@@ -357,7 +360,7 @@ def main() -> None:
                         help="other localsteps CSVs (with their _curves.csv) whose rows join --csv's; runs only the "
                              "--configs given (none by default)")
     args = parser.parse_args()
-    every = {c.method.name: c for c in configs(args.n_embd, replicas=args.replicas)}
+    every = {c.method.name: c for c in configs(args.n_embd, tuple(args.horizons), args.replicas)}
     unknown = [name for name in args.configs or [] if name not in every]
     if unknown:
         raise SystemExit(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(every)}")
