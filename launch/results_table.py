@@ -69,14 +69,22 @@ SOURCES = {
     "localsteps.csv": (("python launch/bench/localsteps.py  # (the grid as docs/benchmarks.md ran it)",
                         "python launch/bench/localsteps.py --configs local_defaults --lr-factors 1 --seeds 0 1 2",
                         "python launch/bench/localsteps.py --configs local_muon_H30_sign_vote_b128 --outer-lrs 0.7 "
-                        "--outer-momenta 0 --lr-factors 1 --seeds 1 2"),
+                        "--outer-momenta 0 --lr-factors 1 --seeds 1 2",
+                        "python launch/bench/localsteps.py --configs ddp_adamw --replicas 8 --lr-factors 0.25 0.5 1  "
+                        "# and --replicas 3; then at --lr-factors 1: ddp_muon, local_defaults, local_muon_H30_sign_mean_b128 "
+                        "--outer-lrs 0.7 --outer-momenta 0",
+                        "python launch/bench/localsteps.py --configs local_muon_H10_sign_vote_b128 --outer-lrs 0.7 "
+                        "--outer-momenta 0 --replicas 8 --lr-factors 1  # and on 3 replicas: local_muon_H20_sign_vote_b128 "
+                        "--horizons 20"),
                        "Local steps (shardopt.LocalSteps) against the per-step methods, DiLoCo and a MuLoCo-style "
-                       "peer, 2 × 2 ranks, the 1.3M-parameter GPT on BPE-4096, equal steps and tokens per horizon. "
+                       "peer, 2 × 2 ranks (the replicas column: 4 × 1; 3 or 8 nodes of one rank, against the per-step "
+                       "methods on as many ranks, …_M3 / …_M8), the 1.3M-parameter GPT on BPE-4096, equal steps and "
+                       "tokens per horizon and replica count. "
                        "Link bytes: one node's on the link between the two nodes (one rank's counted bytes × 2 for "
                        "shardopt's two replicate groups, × 1 for DDP's ring); x fewer: ddp_adamw's link bytes at the "
-                       "same steps over the row's. Time to target (ddp_adamw's final val loss at the same steps) is "
-                       "computed: steps × the method's step time in the quiet pass (localsteps_step_ms.csv) + link bytes × 8 / "
-                       "rate, no overlap, no latency."),
+                       "same steps and tokens over the row's. Time to target (ddp_adamw's final val loss at the same "
+                       "steps and tokens) is computed: steps × the method's step time in the quiet pass "
+                       "(localsteps_step_ms.csv) + link bytes × 8 / rate, no overlap, no latency."),
     "localsteps_step_ms.csv": (
         ("python launch/bench/localsteps.py --step-times --steps 30 --eval-every 30 --configs …  "
          "# (the configs of the README's local-steps table; docs/benchmarks.md)",),
