@@ -240,7 +240,8 @@ class TopK(OuterFormat):
 def by_replicas(replicas: int) -> str:
     """The 1-bit format "auto" names at M = `replicas`: "sign_mean" up to 2 (there it sends sign_vote's bytes,
     and measured 0.05–0.15 lower val loss with Muon, Sign-Muon and Dion inside: docs/tuning.md), "sign_vote"
-    from 3 (sign_mean's all-gather grows as M − 1 signs per entry; at M = 4 it sends 2.3× the vote's)."""
+    from 3 (sign_mean's all-gather grows as M − 1 signs per entry; at M = 4 it sends 2.3× the vote's, and at
+    M = 3 and 8 sign_vote synced more often for the same bytes ended level and lower: docs/tuning.md)."""
     return "sign_mean" if replicas <= 2 else "sign_vote"
 
 
