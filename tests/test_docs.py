@@ -74,7 +74,7 @@ def _recorded_losses(paths: list[str]) -> list[float]:
     return values
 
 
-def _untraced_losses(document: str, sections: tuple[str, ...] = ("",)) -> tuple[list, int]:
+def _untraced_losses(document: str, sections: tuple[str, ...]) -> tuple[list, int]:
     """The val losses quoted in `document`'s sections whose heading starts with one of `sections` that are not
     (to their three decimals) a loss recorded in a results CSV cited by their paragraph or bullet, or, where
     it cites none, by their section's opening; and how many were checked. A paragraph that says its runs
