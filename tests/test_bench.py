@@ -1,9 +1,14 @@
 """The benchmark harness's pure pieces (launch/bench/): byte counting of torch's DDP hooks on 2 gloo
-processes, time-to-target, CSV schemas, rate parsing, best-lr choice, the matrix-shaped conv."""
+processes, time-to-target, CSV schemas, rate parsing, best-lr choice, the matrix-shaped conv, a campaign
+ended by SIGTERM."""
 
 import inspect
 import math
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -523,3 +528,43 @@ def test_step_ops_counts_a_sign_muon_step_whose_ops_do_not_grow_with_the_replica
     assert {row["host_syncs_per_step"] for row in rows} == {"1"}
     votes = [row for row in campaign.read_csv(collectives) if row["collective"] in ("alltoall_base", "allgather_base")]
     assert votes and {(row["dtype"], row["device"]) for row in votes} == {("uint8", "cpu")}
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a process that has not ended (a zombie waiting for its parent has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc (Linux)")
+def test_a_terminated_campaign_kills_its_runs_and_their_children(tmp_path):
+    """`pkill -f sizes.py` sends SIGTERM: the run (a session of its own, as torchrun in _run) and the
+    process it started (as torchrun's workers) must end with the campaign, not train on unseen."""
+    pids = tmp_path / "pids"
+    run = ("import subprocess, sys, time; child = subprocess.Popen(['sleep', '300']); "
+           f"open({str(pids)!r}, 'w').write(f'{{child.pid}} ' + str(__import__('os').getpid())); time.sleep(300)")
+    driver = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'launch' / 'bench')!r}]; import campaign; "
+              f"from pathlib import Path; campaign._run([[sys.executable, '-c', {run!r}]], "
+              f"Path({str(tmp_path / 'log.txt')!r}), 300)")
+    campaign_process = subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and len(pids.read_text().split()) == 2):
+            assert time.monotonic() < deadline and campaign_process.poll() is None, "the run did not start"
+            time.sleep(0.1)
+        started = [int(p) for p in pids.read_text().split()]
+        assert all(_running(p) for p in started)
+        campaign_process.send_signal(signal.SIGTERM)
+        code = campaign_process.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in started if _running(p)], "the run or its child outlived the campaign"
+        assert code == 128 + signal.SIGTERM      # exits as a shell reports a SIGTERM, after its cleanup
+    finally:
+        campaign_process.kill()
+        for pid in [int(p) for p in pids.read_text().split()] if pids.exists() else []:
+            if _running(pid):
+                os.kill(pid, 9)

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -139,7 +142,8 @@ def _run(commands: list[list[str]], log: Path, timeout_s: float, extra_env: dict
                                       env={**run_env(), **(extra_env or {})}, cwd=ROOT, start_new_session=True)
                      for c in commands]
         try:
-            codes = [p.wait(timeout=timeout_s) for p in processes]
+            with _terminate_raises():
+                codes = [p.wait(timeout=timeout_s) for p in processes]
         except subprocess.TimeoutExpired:
             codes = None
         finally:
@@ -151,6 +155,25 @@ def _run(commands: list[list[str]], log: Path, timeout_s: float, extra_env: dict
         tail = log.read_text()[-3000:]
         raise RuntimeError(f"run failed ({'timeout ' + str(timeout_s) + ' s' if codes is None else codes}); "
                            f"log {log}:\n{tail}")
+
+
+@contextmanager
+def _terminate_raises():
+    """While _run waits, SIGTERM (what `kill` and `pkill` send) raises SystemExit(128 + 15) as Ctrl-C raises
+    KeyboardInterrupt, so _run's cleanup kills its runs' process groups: they are sessions of their own, which
+    a signal to the campaign does not reach, and would go on training. Outside the main thread (where Python
+    cannot set a handler) the signal keeps its own action."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ---- merge: the CSV of a campaign ---------------------------------------------------------
