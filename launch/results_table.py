@@ -284,6 +284,8 @@ SOURCES = {
                    "python launch/bench/sizes.py --sizes L --steps 200 --configs local_muon_H100_sign_vote_b128 "
                    "--outer-lrs 0.7 --outer-momenta 0",
                    "python launch/bench/sizes.py --sizes L --steps 200 --configs local_muon_H30_topk_as_sign_mean_b128 "
+                   "--outer-lrs 0.7 --outer-momenta 0",
+                   "python launch/bench/sizes.py --sizes L --steps 200 --configs local_muon_H30_topk_as_int4 "
                    "--outer-lrs 0.7 --outer-momenta 0"
                    "   # (each resumes: rows already there are kept; the figure: results/sizes.png)"),
                   "Issue 42's campaign: the benchmark GPT at sizes S, M, L (integrations/model.SIZES), 4 replicas × "
